@@ -43,8 +43,11 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
     """
     require_trainer(trainer, "enable_cpu_fsdp2(trainer)")
     plugin_args, state = trainer.args.fsdp_plugin_args, trainer.accelerator.state
-    if plugin_args is None and parse_flag_from_env("ACCELERATE_USE_FSDP"):
-        plugin_args = {}  # the plugin reads accelerate's FSDP_* variables itself
+    if plugin_args is None and parse_flag_from_env("ACCELERATE_USE_FSDP") and "FSDP_VERSION" in os.environ:
+        # `accelerate launch` of an FSDP config sets both (the plugin reads its FSDP_* variables itself); an Accelerator
+        # built with an FSDP plugin (an earlier Trainer's --fsdp) sets ACCELERATE_USE_FSDP alone in its process, which
+        # must not turn a later Trainer without --fsdp into FSDP (version 1, which then failed on the CPU device)
+        plugin_args = {}
     if (plugin_args is None or getattr(state, "fsdp_plugin", None) is not None
             or state.distributed_type != DistributedType.MULTI_CPU):
         return False
@@ -66,8 +69,8 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
 def check_cpu_fsdp_version(args: TrainingArguments, env: Mapping[str, str] = os.environ) -> None:
     """Raise ValueError, naming the fix, when `args` (their `--fsdp`, else accelerate launch's FSDP variables in
     `env`) ask for FSDP version 1 on CPU processes: accelerate's FSDP1 plugin finds no device there (and FSDP1 refuses
-    a CPU one), which each process met only as its Trainer built the accelerator, after the data. Call it on a
-    machine without accelerator."""
+    a CPU one), which each process met only as its Trainer built the accelerator, after the data; or for CPU offload,
+    whose pinned memory needs an accelerator. Call it on a machine without accelerator."""
     if args.fsdp_plugin_args is not None:
         version, where = args.fsdp_plugin_args["fsdp_version"], "--fsdp_config's version"
         fix = "--fsdp_config '{\"fsdp_version\": 2}'"
@@ -81,6 +84,17 @@ def check_cpu_fsdp_version(args: TrainingArguments, env: Mapping[str, str] = os.
     if str(version) != "2":
         raise ValueError(f"FSDP version {version} ({where}) runs only on accelerators, and this machine has none: set "
                          f"{fix} (FSDP2, which the plugin runs on CPU processes over gloo).")
+    # CPU offload pins the sharded parameters in host memory for an accelerator: FSDP2 failed at `train()`, as it
+    # sharded the model after the data ('Cannot access accelerator device when none is available').
+    if args.fsdp_plugin_args is not None:
+        offload = args.fsdp_plugin_args.get("cpu_offload")
+        drop = "drop offload from --fsdp (cpu_offload from --fsdp_config)"
+    else:
+        offload = str_to_bool(env.get("FSDP_OFFLOAD_PARAMS", "false"))
+        drop = "set fsdp_offload_params: false in the accelerate config"
+    if offload:
+        raise ValueError("FSDP's CPU offload pins the parameters in host memory for an accelerator, and this machine "
+                         f"has none (the parameters already live in CPU memory): {drop}.")
 
 
 def disable_cpu_fsdp2(trainer: Trainer) -> None:

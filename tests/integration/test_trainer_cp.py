@@ -246,6 +246,9 @@ def _cpu_fsdp2_round_trip(rank: int, world: int) -> dict:
         sharded = isinstance(model, FSDPModule) and all(isinstance(p, DTensor) for p in model.parameters())
         disable_cpu_fsdp2(t)
         after = (t.accelerator.distributed_type, PartialState().distributed_type, t.is_fsdp_enabled)
+        # t's Accelerator set ACCELERATE_USE_FSDP (alone, without accelerate launch's FSDP_VERSION) in this process: a
+        # later Trainer without --fsdp runs DDP, not the FSDP1 of a plugin read from it (which failed on the CPU device)
+        later = (os.environ.get("ACCELERATE_USE_FSDP"), enable_cpu_fsdp2(trainer(None)))
         os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")  # what `accelerate launch` sets
         try:
             t = trainer(None)
@@ -255,13 +258,14 @@ def _cpu_fsdp2_round_trip(rank: int, world: int) -> dict:
             del os.environ["ACCELERATE_USE_FSDP"], os.environ["FSDP_VERSION"]
     cpu, fsdp = DistributedType.MULTI_CPU, DistributedType.FSDP
     return {"plain": plain, "enabled": enabled, "sharded": sharded, "before": before == (cpu, cpu, False),
-            "after": after == before, "during": during == (fsdp, fsdp, True, True), "from_config": from_config}
+            "after": after == before, "during": during == (fsdp, fsdp, True, True), "from_config": from_config,
+            "later": later}
 
 
 def test_fsdp_flag_runs_fsdp2_on_cpu_processes_and_disable_restores_ddp(spawned):
     for r in spawned["cp2"]["fsdp2"]:
         assert r == {"plain": False, "enabled": True, "sharded": True, "before": True, "after": True, "during": True,
-                     "from_config": True}
+                     "from_config": True, "later": ("true", False)}
 
 
 def _patch_under_accelerate_cp(rank: int, world: int) -> dict:

@@ -143,6 +143,36 @@ def test_fsdp1_in_a_process_without_accelerator_is_refused_as_its_flags_parse(tm
                        "and this machine has none: set --fsdp_config '{\"fsdp_version\": 2}'"):
         parse("--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"version": 1}')
     parse("--fsdp", "full_shard auto_wrap")  # (transformers' default: FSDP2)
+
+
+def test_fsdp_cpu_offload_in_a_process_without_accelerator_is_refused_as_its_flags_parse(tmp_path, monkeypatch):
+    """`--fsdp "full_shard auto_wrap offload"` (or an accelerate config's fsdp_offload_params) on CPU processes passed
+    the flags and failed in `train()` as FSDP2 sharded the model, after the data: 'Cannot access accelerator device
+    when none is available' (its offload pins the parameters in host memory for an accelerator)."""
+    monkeypatch.setattr(sparse_trainer, "_has_accelerator", lambda: False)
+
+    def parse(*flags):
+        with parsing_for_launch():
+            return HfArgumentParser(SparseTrainingArguments).parse_args_into_dataclasses(
+                ["--output_dir", str(tmp_path), "--report_to", "none", *flags])
+
+    for flags in (("--fsdp", "full_shard auto_wrap offload"),
+                  ("--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"cpu_offload": true}')):
+        with pytest.raises(ValueError, match=r"^FSDP's CPU offload pins the parameters in host memory for an "
+                           r"accelerator, and this machine has none .*: drop offload from --fsdp \(cpu_offload from "
+                           r"--fsdp_config\)\.$") as refused:
+            parse(*flags)
+        assert is_flag_error(refused.value)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # `accelerate launch` of an FSDP2 config with offload
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    with pytest.raises(ValueError, match="set fsdp_offload_params: false in the accelerate config"):
+        parse()
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "false")
+    parse()
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    monkeypatch.delenv("FSDP_VERSION")
+    parse("--fsdp", "full_shard auto_wrap")
     monkeypatch.setattr(sparse_trainer, "_has_accelerator", lambda: True)
     parse("--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"version": 1}')
 
