@@ -417,12 +417,14 @@ def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
     parser = _Parser((common, ScriptArguments, other), prog=prog, description=DESCRIPTION)
     try:
         argv, recipe = take_recipe(list(argv))
+        from_recipe = 0  # (the first arguments: the recipe's flags)
         if recipe is not None:
             try:
                 path = recipe_path(recipe)
             except FileNotFoundError:  # (named among the shipped training recipes alone, the kind it takes)
                 path = recipe_path(recipe, ("train",))
-            argv = recipe_flags(str(path), recipe) + argv
+            flags = recipe_flags(str(path), recipe)
+            argv, from_recipe = flags + argv, len(flags)
     except (OSError, ValueError) as e:  # a recipe that is not there or not a mapping: the error names it
         _refuse(parser, str(e))
     renamed = [f"{arg} is now {RENAMED[arg]}" for arg in argv if arg in RENAMED]
@@ -440,6 +442,9 @@ def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
         if chosen.get("sparse_attention", True):  # (flags no layer reads are refused, or warned of: not the demo's)
             defaults |= DEMO_PATTERN
             defaults |= DEMO_BUDGET if chosen.get("sparse_pattern") != "dense" and keeps_demo_budget(explicit) else {}
+    if from_recipe and {"-h", "--help"} & set(argv):  # --help shows the recipe's values as the command's defaults (#50:
+        recipe_argv = argv[:from_recipe]  # `--recipe smet_finetune --help` said `--smet (default: False)`)
+        defaults |= chosen_values(parser, recipe_argv, explicit_fields(parser, recipe_argv))
     parser.set_defaults(**defaults)
     try:
         first, script, rest, unused = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)

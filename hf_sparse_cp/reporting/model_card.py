@@ -233,14 +233,17 @@ def _base_model(trainer: Trainer, given: str | None) -> str:
 
 
 def _training_data(trainer: Trainer, dataset_tags: Any) -> str | None:
-    """The dataset's name (given to the card, or recorded by `datasets`) and its size, when known."""
+    """The dataset's name (given to the card, or recorded by `datasets`) and its size, when known: its rows are
+    examples the collator packs into sequences where it packs a batch into one row (`_packs_documents`)."""
     data = trainer.train_dataset
     info = getattr(data, "info", None)
     name = dataset_tags or getattr(info, "dataset_name", None) or getattr(info, "builder_name", None)
     if isinstance(name, list | tuple):
         name = ", ".join(map(str, name))
     try:
-        size = f"{len(data):,} training sequences" if data is not None else None
+        size = None if data is None else f"{len(data):,} training " + (
+            f"examples (the collator packs each device batch of {trainer.args.per_device_train_batch_size} into one "
+            "sequence)" if _packs_documents(trainer) else "sequences")
     except TypeError:  # an iterable dataset
         size = None
     parts = [f"`{name}`" if name else None, size]
@@ -440,6 +443,17 @@ def _sequence_length(max_length: int | None, longest_trained: int | None) -> str
     return f"{max_length:,} tokens set; the longest sequence trained held {longest_trained:,}"
 
 
+def _train_batch(trainer: Trainer, cp_size: int) -> str:
+    """The card's total train batch size: distinct sequences per optimizer step, or, where the collator packs each
+    device batch into one row, the examples it packs and the sequences they make (#50: it called the examples
+    sequences, a pack's worth of them per sequence of the stated length)."""
+    total = distinct_train_batch_size(trainer, cp_size)
+    if not _packs_documents(trainer):
+        return f"{total} distinct sequences per optimizer step"
+    rows = max(1, total // trainer.args.per_device_train_batch_size)
+    return f"{total} examples per optimizer step, packed into {rows} distinct sequence{'s' * (rows != 1)}"
+
+
 def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | None, longest_trained: int | None,
              cp_size: int, smet: SMETConfig | None, optimizer_line: str, output_dir: Path,
              card_kwargs: dict[str, Any], license_: str | None, cp_schedule: str | None = None,
@@ -462,7 +476,7 @@ def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | 
             ("context parallelism", _describe_stages(cp_schedule, cp_stages) if cp_stages
              else _describe_parallelism(trainer, parallel, cp_size) if cp_size > 1 else None),
             ("total train batch size", _stage_batches(trainer, cp_stages, " distinct sequences per optimizer step")
-             if cp_stages else f"{distinct_train_batch_size(trainer, cp_size)} distinct sequences per optimizer step"),
+             if cp_stages else _train_batch(trainer, cp_size)),
             ("optimizer", optimizer_line),
             ("throughput", _throughput(trainer, max_length)),
             ("license", license_)]
@@ -631,6 +645,10 @@ def write_sparse_model_card(
     elif cp_size > 1:
         total = distinct_train_batch_size(trainer, cp_size)
         note = f" (distinct sequences; each is split over {cp_size} context-parallel ranks)"
+        if _packs_documents(trainer):
+            rows = max(1, total // trainer.args.per_device_train_batch_size)
+            note = (f" (examples, packed into {rows} distinct sequence{'s' * (rows != 1)}; each is split over "
+                    f"{cp_size} context-parallel ranks)")
         card = _TOTAL_BATCH.sub(lambda _: f"- total_train_batch_size: {total}{note}", card)
         total_eval = trainer.args.eval_batch_size * trainer.args.world_size // cp_size
         card = _TOTAL_EVAL_BATCH.sub(lambda _: f"- total_eval_batch_size: {total_eval}", card)

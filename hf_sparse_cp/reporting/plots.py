@@ -230,6 +230,12 @@ def load_sparse_model(path: str | Path, sparse_config: str | Path | None = None)
         raise ValueError(f"{str(path)!r} holds a PEFT adapter ({ADAPTER_CONFIG}), which saves no sparse pattern: "
                          "save the pattern the run's model card (README.md) states, its YAML block, to a file and "
                          "pass it with --sparse_config FILE.")
+    if (Path(str(path)) / ADAPTER_CONFIG).is_file() and adapter_base(Path(str(path)) / ADAPTER_CONFIG) is None:
+        # (transformers would look for a base model of that name on the Hub: "couldn't connect to huggingface.co")
+        raise ValueError(f"{str(path)!r} holds a PEFT adapter whose {ADAPTER_CONFIG} names no base model "
+                         "(base_model_name_or_path; a model built from a config has none): set it to the base "
+                         "model's folder, or merge the adapter (merge_and_unload), save the model and pass its "
+                         "folder with --model.")
     model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sparse_cp")
     if sparse_config is not None:
         configure(model, SparseAttentionConfig.from_file(pattern_path(str(sparse_config))))

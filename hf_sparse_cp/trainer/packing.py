@@ -21,8 +21,9 @@ class BlockAlignedFlattening(DataCollatorWithFlattening):
     `block_size` (the attention layout's block, `SparseAttentionConfig.block_size`).
 
     The padding is a run of its own (its position_ids restart, so no document attends to it) with
-    targets -100 (never trained on). Every other behaviour (one row, `cu_seq_lens_*` with
-    `return_flash_attn_kwargs`, separator targets) is the parent's.
+    targets -100 (never trained on): with a `separator_id`, the document before the padding predicts it, and
+    the padding's last token does not (the next document's first target is -100). Every other behaviour (one
+    row, `cu_seq_lens_*` with `return_flash_attn_kwargs`, separator targets) is the parent's.
     """
 
     def __init__(self, block_size: int, *args, pad_token_id: int = 0, **kwargs) -> None:
@@ -32,14 +33,22 @@ class BlockAlignedFlattening(DataCollatorWithFlattening):
         self.pad_token_id = pad_token_id
 
     def __call__(self, features, return_tensors=None, separator_id=None):
-        aligned = []
+        aligned, offset, after_padding, padded = [], 0, [], False
         for sample in features:
             ids = sample["input_ids"]
             ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
             labels = sample.get("labels", ids)  # the parent trains on input_ids when no labels are given
             labels = labels.tolist() if hasattr(labels, "tolist") else list(labels)
+            if not ids:  # (the parent drops an empty document)
+                continue
+            if padded:  # its first target, the separator, is what the padding's last token would predict
+                after_padding.append(offset)
             aligned.append({"input_ids": ids, "labels": labels})
             gap = -len(ids) % self.block_size
             if gap:
                 aligned.append({"input_ids": [self.pad_token_id] * gap, "labels": [-100] * gap})
-        return super().__call__(aligned, return_tensors=return_tensors, separator_id=separator_id)
+            offset, padded = offset + len(ids) + gap, gap > 0
+        batch = super().__call__(aligned, return_tensors=return_tensors, separator_id=separator_id)
+        for start in after_padding:
+            batch["labels"][0, start] = -100
+        return batch

@@ -573,6 +573,21 @@ def test_block_aligned_packing_starts_every_document_on_a_block_boundary():
     assert labels[33:64].tolist() == docs[1][1:]
 
 
+def test_block_aligned_packing_with_a_separator_trains_no_padding_token():
+    """#50: with `separator_id` (DataCollatorWithFlattening's label at each document's start, which the token before
+    it predicts), the last padding token before a document was trained to predict the separator; the document
+    before the padding still predicts it, as without padding."""
+    from hf_sparse_cp.trainer.packing import BlockAlignedFlattening
+
+    docs = [list(range(1, 21)), [], list(range(5, 37)), [7, 8, 9]]
+    for return_tensors in ("pt", "np"):
+        batch = BlockAlignedFlattening(16, separator_id=99)([{"input_ids": d} for d in docs], return_tensors)
+        labels = batch["labels"][0].tolist()
+        trained = [i for i in range(len(labels) - 1) if labels[i + 1] != -100]  # positions whose prediction counts
+        assert all(batch["input_ids"][0][i] != 0 for i in trained), return_tensors  # (0: the padding)
+        assert labels[20] == labels[64] == labels[67] == 99 and labels[32] == -100, return_tensors
+
+
 # ------------------------------------------------------------------------------------------ gloo runs
 
 

@@ -439,6 +439,29 @@ def test_a_length_set_above_the_data_is_stated_beside_the_longest_sequence_train
     assert "| sequence length | 4,096 tokens set; the longest sequence trained held 200 |" in card, card
 
 
+def test_a_packing_collators_examples_are_not_counted_as_sequences(tmp_path):
+    """#50: a DataCollatorWithFlattening packing 2 documents of 128 tokens into each 256-token row: the card said
+    "4 training sequences" and "2 distinct sequences per optimizer step" beside "sequence length 256 tokens",
+    twice the tokens each step trained."""
+    from transformers import DataCollatorWithFlattening
+
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    rows = [{"input_ids": ids} for ids in torch.randint(3, 200, (4, 128)).tolist()]
+    args = SparseTrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2,
+                                   report_to="none", save_strategy="no", use_cpu=True, logging_steps=1,
+                                   sparse_max_length=256, sparse_block_size=32, sparse_min_seq_len=128)
+    trainer = SparseTrainer(model=model, args=args, train_dataset=rows, data_collator=DataCollatorWithFlattening())
+    trainer.train()
+    trainer.create_model_card()
+    table = _rows((tmp_path / "README.md").read_text())
+    assert table["sequence length"].startswith("256 tokens (documents packed into each sequence"), table
+    assert table["training data"] == "4 training examples (the collator packs each device batch of 2 into one sequence)"
+    assert table["total train batch size"] == "2 examples per optimizer step, packed into 1 distinct sequence"
+
+
 def test_the_card_states_the_density_smet_trains_at_where_whole_blocks_move_it(tmp_path):
     """SMET keeps whole blocks of a row, at least one: density 0.1 of the tiny Qwen2's rows of 4 and 8 blocks of 16
     columns keeps 1 block (0.25, 0.125); the card said 'density 0.1' alone."""

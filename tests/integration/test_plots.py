@@ -290,3 +290,23 @@ def test_plot_of_a_saved_lora_adapter_draws_the_base_with_the_adapter_and_the_pa
         assert SparseAttentionConfig.stored_on(loaded.config).min_seq_len == 128
     finally:
         disable_sparse_attention(loaded)
+
+
+def test_plot_of_an_adapter_naming_no_base_model_names_the_fix(tmp_path, capsys):
+    """#50: a LoRA adapter of a model built from a config (adapter_config.json's base_model_name_or_path: null) was
+    answered "We couldn't connect to 'https://huggingface.co'"; it is refused naming the field and the ways out."""
+    pytest.importorskip("matplotlib")
+    from peft import LoraConfig, get_peft_model
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    adapter = tmp_path / "run"
+    get_peft_model(AutoModelForCausalLM.from_config(tiny_config("llama")),
+                   LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(str(adapter))
+    pattern = tmp_path / "pattern.yaml"
+    pattern.write_text("block_size: 32\nmin_seq_len: 128\n")
+    with pytest.raises(SystemExit):
+        main(["plot", str(adapter), "--only", "layouts", "--sparse_config", str(pattern)])
+    err = capsys.readouterr().err
+    assert "names no base model (base_model_name_or_path" in err and "--model" in err, err
+    assert "huggingface.co" not in err, err

@@ -278,6 +278,16 @@ def test_help_shows_the_defaults_the_command_uses(capsys, monkeypatch, argv):
     assert parsed.training.use_cpu == (not torch.accelerator.is_available())
 
 
+def test_help_under_a_recipe_shows_the_recipes_values(capsys, monkeypatch):
+    """#50: `hf-sparse-cp train --recipe smet_finetune --help` showed `--smet (default: False)` and the library's
+    SMET density (0.25) for the flags the recipe sets (True, 0.05); a flag given after it still wins the run."""
+    argv = ["--recipe", "smet_finetune", "--smet_density", "0.3"]
+    shown = _help_defaults(capsys, monkeypatch, argv)
+    assert (shown["smet"], shown["smet_density"], shown["smet_mode"]) == ("True", "0.05", "sparse_update")
+    assert shown["learning_rate"] == "5e-05"  # (a flag the recipe leaves: the library's default)
+    assert parse_args(argv).smet.to_config(parse_args(argv).explicit).density == 0.3
+
+
 def test_flags_given_beat_the_config_files_and_the_demo_defaults_do_not(tmp_path):
     cfg = tmp_path / "pattern.yaml"
     SparseAttentionConfig(vertical_topk=256, block_size=64, min_seq_len=1024).save(cfg)
