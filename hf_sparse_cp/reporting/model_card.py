@@ -114,12 +114,23 @@ class CardStage(NamedTuple):
 
 def _stage_batches(trainer: Trainer, stages: Sequence[CardStage], unit: str = "", evaluation: bool = False) -> str:
     """Distinct sequences per optimizer step of every stage: '2 from step 0, 1 from step 2' (`unit` after the first
-    number); with `evaluation`, per evaluation batch (the evaluation loader follows the stage's data-parallel
-    degree)."""
-    per_group = trainer.args.eval_batch_size if evaluation else \
-        trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
-    return ", ".join(f"{per_group * s.parallel.dp_size}{unit if i == 0 else ''} from step {s.from_step}"
-                     for i, s in enumerate(stages))
+    number); where the collator packs each device batch into one row (`_packs_documents`), the examples and the
+    sequences they are packed into: '4 from step 0 (packed into 2), 2 from step 2 (packed into 1)'. With
+    `evaluation`, per evaluation batch (the evaluation loader follows the stage's data-parallel degree)."""
+    device_batch = trainer.args.eval_batch_size if evaluation else trainer.args.per_device_train_batch_size
+    rows = 1 if evaluation else trainer.args.gradient_accumulation_steps  # (each data-parallel group's, a step)
+    packs = _packs_documents(trainer)
+
+    def stage(i: int, s: CardStage) -> str:
+        packed = f" (packed into {rows * s.parallel.dp_size})" if packs else ""
+        return f"{device_batch * rows * s.parallel.dp_size}{unit if i == 0 else ''} from step {s.from_step}{packed}"
+
+    return ", ".join(stage(i, s) for i, s in enumerate(stages))
+
+
+def _batch_unit(trainer: Trainer) -> str:
+    """What the card's batch sizes count: distinct sequences, or the examples a packing collator packs into them."""
+    return "examples" if _packs_documents(trainer) else "distinct sequences"
 
 
 def _describe_stages(schedule: str | None, stages: Sequence[CardStage]) -> str:
@@ -475,7 +486,7 @@ def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | 
             ("distributed set-up", _describe_setup(trainer, cp_size)),
             ("context parallelism", _describe_stages(cp_schedule, cp_stages) if cp_stages
              else _describe_parallelism(trainer, parallel, cp_size) if cp_size > 1 else None),
-            ("total train batch size", _stage_batches(trainer, cp_stages, " distinct sequences per optimizer step")
+            ("total train batch size", _stage_batches(trainer, cp_stages, f" {_batch_unit(trainer)} per optimizer step")
              if cp_stages else _train_batch(trainer, cp_size)),
             ("optimizer", optimizer_line),
             ("throughput", _throughput(trainer, max_length)),
@@ -637,10 +648,11 @@ def write_sparse_model_card(
     cp_size = parallel.cp_size if parallel is not None else trainer.get_cp_size()
     if cp_stages:  # (a curriculum: each stage its own CP degree and distinct sequences per step)
         cp_size = max(s.parallel.cp_size for s in cp_stages)
-        totals = f"{_stage_batches(trainer, cp_stages)} (distinct sequences per optimizer step, by cp_schedule stage)"
+        totals = (f"{_stage_batches(trainer, cp_stages)} ({_batch_unit(trainer)} per optimizer step, by cp_schedule "
+                  "stage)")
         card = _TOTAL_BATCH.sub(lambda _: f"- total_train_batch_size: {totals}", card)
-        evals = (f"{_stage_batches(trainer, cp_stages, evaluation=True)} (distinct sequences per evaluation batch, by "
-                 "cp_schedule stage)")
+        evals = (f"{_stage_batches(trainer, cp_stages, evaluation=True)} ({_batch_unit(trainer)} per evaluation "
+                 "batch, by cp_schedule stage)")
         card = _TOTAL_EVAL_BATCH.sub(lambda _: f"- total_eval_batch_size: {evals}", card)
     elif cp_size > 1:
         total = distinct_train_batch_size(trainer, cp_size)

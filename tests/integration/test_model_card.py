@@ -460,6 +460,16 @@ def test_a_packing_collators_examples_are_not_counted_as_sequences(tmp_path):
     assert table["sequence length"].startswith("256 tokens (documents packed into each sequence"), table
     assert table["training data"] == "4 training examples (the collator packs each device batch of 2 into one sequence)"
     assert table["total train batch size"] == "2 examples per optimizer step, packed into 1 distinct sequence"
+    # a curriculum's card states each stage's examples and the sequences they are packed into (it said sequences)
+    from hf_sparse_cp.distributed import ParallelDims
+    from hf_sparse_cp.reporting.model_card import CardStage
+
+    one = ParallelDims.from_config(ContextParallelConfig())
+    write_sparse_model_card(trainer, cp_schedule="0:256:1,1:256:1", max_length=256,
+                            cp_stages=[CardStage(0, 256, one), CardStage(1, 256, one)])
+    card = (tmp_path / "README.md").read_text()
+    stages = "2 from step 0 (packed into 1), 2 from step 1 (packed into 1)"
+    assert _rows(card)["total train batch size"] == stages.replace(" from", " examples per optimizer step from", 1)
 
 
 def test_the_card_states_the_density_smet_trains_at_where_whole_blocks_move_it(tmp_path):
