@@ -542,6 +542,17 @@ def build_trainer(
     )
 
 
+def aligned_width(script, training) -> str:
+    """The width of a row that --align_documents pads (each document to a whole number of blocks), where it exceeds
+    --sparse_max_length, as a note for the run's last line ('' otherwise)."""
+    if not script.align_documents:
+        return ""
+    block, document = training.sparse_block_size, training.sparse_max_length // script.pack_documents
+    width = script.pack_documents * -(-document // block) * block
+    return (f" ({width} with the padding aligning each of its {script.pack_documents} documents to blocks of {block})"
+            if width != training.sparse_max_length else "")
+
+
 class LogFirstAndLastStep(TrainerCallback):
     """Logs the loss of this run's first and last optimizer step too (besides every --logging_steps), so that the
     run's summary states its real first and last training loss whatever the logging interval. `start_step`: the
@@ -608,8 +619,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     f"{summary['final_loss']:.4f} (step {summary['final_loss_step']})")
         # a curriculum's length and CP degree change by stage: its schedule says them
         shape = (f"on {parallel.world_size} process(es), cp_schedule {training.cp_schedule}" if training.cp_schedule
-                 else f"at {training.sparse_max_length} tokens on {parallel.world_size} process(es), "
-                 f"CP={parallel.cp_size}")
+                 else f"at {training.sparse_max_length} tokens{aligned_width(script, training)} on "
+                 f"{parallel.world_size} process(es), CP={parallel.cp_size}")
         steps = summary["steps"]
         resumed = (f" ({f'steps {start + 1}-{trainer.state.global_step}, ' if steps else ''}resumed from step "
                    f"{start})" if start else "")

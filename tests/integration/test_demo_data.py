@@ -84,3 +84,23 @@ def test_a_two_process_run_builds_the_data_once(tmp_path):
     (built0, digest0), (built1, digest1) = run_gloo(_build_in_two_processes, 2, str(tmp_path), timeout_s=300)
     assert (built0, built1) == (6, 0)  # rank 0 builds 3 x 2 packed documents, rank 1 loads its cache file
     assert digest0 == digest1
+
+
+def test_the_last_line_states_the_width_of_rows_aligned_documents_pad(tmp_path):
+    """`--pack_documents 3 --align_documents --sparse_block_size 128 --sparse_max_length 960`: each 320-token document
+    padded to 384, rows of 1,152 tokens, where the run's last line said 'at 960 tokens' alone."""
+    from hf_sparse_cp.examples.train_long_context import ScriptArguments, aligned_width
+    from hf_sparse_cp.trainer.packing import BlockAlignedFlattening
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainingArguments
+
+    def training(length: int) -> SparseTrainingArguments:
+        return SparseTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                       sparse_max_length=length, sparse_block_size=128)
+
+    script = ScriptArguments(pack_documents=3, align_documents=True)
+    width = BlockAlignedFlattening(128, return_tensors="pt")([{"input_ids": list(range(3, 323))}] * 3)["input_ids"]
+    assert width.shape[-1] == 1152
+    note = " (1152 with the padding aligning each of its 3 documents to blocks of 128)"
+    assert aligned_width(script, training(960)) == note
+    assert aligned_width(script, training(1152)) == ""  # (documents of 384 tokens: already whole blocks)
+    assert aligned_width(ScriptArguments(pack_documents=3), training(960)) == ""
