@@ -91,10 +91,11 @@ class Architecture:
         return cls(ModelShape.from_config(config, name, where), tied, bias)
 
 
-# The size presets `--model` names: Qwen2.5 (config.json on the Hugging Face Hub), q/k/v biases; 0.5B, 1.5B and 3B
-# tie the LM head to the embedding.
-PRESETS = {name: Architecture(MODELS[name], tied_embeddings=name != "qwen2.5-7b", qkv_bias=True)
-           for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b")}
+# The size presets `--model` names, the simulator's (`shapes.MODELS`): Qwen2.5 (config.json on the Hugging Face Hub),
+# q/k/v biases, 0.5B, 1.5B and 3B tying the LM head to the embedding; Qwen3-8B without biases or tying (its q/k
+# RMSNorm weights, 2 x head_dim a layer, are left out: 9K of 8.2B parameters).
+PRESETS = {name: Architecture(MODELS[name], tied_embeddings=name not in ("qwen2.5-7b", "qwen3-8b"),
+                              qkv_bias=name.startswith("qwen2.5")) for name in MODELS}
 
 
 @dataclass(frozen=True)

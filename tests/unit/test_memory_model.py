@@ -480,3 +480,22 @@ def test_the_parameter_count_is_printed_in_its_unit(tmp_path, capsys):
     assert re.search(r"\(\d+\.\dM parameters\)", said), said
     cli_main(["memory", "--model", "qwen2.5-7b"])
     assert re.search(r"\(7\.\d\dB parameters\)", capsys.readouterr().out.splitlines()[0])
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_each_preset_counts_the_parameters_of_its_model(name):
+    """Every `--model` preset of `hf-sparse-cp memory` (the simulator's too: qwen3-8b was missing from memory's) counts
+    the parameters of the transformers model of its shape, built on the meta device; Qwen3's q/k RMSNorm weights (2 x
+    head_dim a layer) are left out."""
+    from transformers import Qwen2Config, Qwen3Config
+
+    arch = PRESETS[name]
+    s = arch.shape
+    qwen3 = name.startswith("qwen3")
+    config = (Qwen3Config if qwen3 else Qwen2Config)(
+        num_hidden_layers=s.layers, hidden_size=s.hidden, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim, intermediate_size=s.intermediate, vocab_size=s.vocab,
+        tie_word_embeddings=arch.tied_embeddings)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert arch.params + (2 * s.head_dim * s.layers if qwen3 else 0) == sum(p.numel() for p in model.parameters())
