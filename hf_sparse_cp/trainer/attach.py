@@ -52,6 +52,7 @@ from .arguments import SparseAttentionFlags, SparseCPArguments, flag_errors
 from .callbacks import SparsityLoggingCallback, StepMetricsCallback
 from .checkpoints import protect_checkpoints
 from .context_parallel import disable_trainer_context_parallel, enable_trainer_context_parallel
+from .cpu_fsdp import disable_cpu_fsdp2, enable_cpu_fsdp2
 from .curriculum import disable_curriculum, enable_curriculum, schedule_for
 from .schedule import parse_schedule
 
@@ -396,7 +397,8 @@ def attach_to_trainer(
         The `ParallelDims` in use (with a schedule, the first stage's). Checkpoints the trainer saves
         are marked complete only once every rank has saved, and `train(resume_from_checkpoint=...)`
         refuses an incomplete, damaged or mismatched one (`checkpoints.py`). The trainer's `--ddp_timeout`
-        becomes the process group's timeout (`apply_ddp_timeout`).
+        becomes the process group's timeout (`apply_ddp_timeout`). The Trainer's `--fsdp` on CPU processes runs
+        FSDP2 (`enable_cpu_fsdp2`, as `SparseTrainer` does; accelerate alone trains unsharded DDP replicas there).
     """
     require_trainer(trainer, "attach_to_trainer(trainer, ...)")
     require_instance(sparse_args, SparseCPArguments, "attach_to_trainer(trainer, sparse_args, ...)", "sparse_args",
@@ -410,6 +412,8 @@ def attach_to_trainer(
         apply_ddp_timeout(trainer, record_on(trainer, _DDP_TIMEOUT))
     if attached_patches(trainer, _PREPARED_AFTER_EVALUATION) is None:
         prepare_for_training_after_evaluation(trainer, record_on(trainer, _PREPARED_AFTER_EVALUATION))
+    with flag_errors():  # (--fsdp on CPU processes: FSDP2, as SparseTrainer runs it; accelerate alone runs DDP)
+        enable_cpu_fsdp2(trainer)
     if attached_patches(trainer, _STEP_METRICS) is None:
         sparse = compat.attn_implementation(trainer.model.config) == BACKEND_NAME
         count_step_metrics(trainer, record_on(trainer, _STEP_METRICS),
@@ -454,4 +458,5 @@ def detach_from_trainer(trainer: Trainer) -> None:
     undo_recorded(trainer, _STEP_METRICS)
     undo_recorded(trainer, _DDP_TIMEOUT)
     undo_recorded(trainer, _PREPARED_AFTER_EVALUATION)
+    disable_cpu_fsdp2(trainer)
     undo_recorded(trainer, LAUNCHED)

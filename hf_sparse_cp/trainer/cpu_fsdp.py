@@ -40,6 +40,9 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
     Returns:
         True when it switched accelerate to FSDP2 (CPU processes, FSDP asked for, accelerate running
         DDP); False when there is nothing to do (no FSDP asked for, or accelerate already runs it).
+
+    Raises:
+        ValueError: FSDP version 1 or CPU offload asked for on CPU processes (`check_cpu_fsdp_version`).
     """
     require_trainer(trainer, "enable_cpu_fsdp2(trainer)")
     plugin_args, state = trainer.args.fsdp_plugin_args, trainer.accelerator.state
@@ -51,7 +54,8 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
     if (plugin_args is None or getattr(state, "fsdp_plugin", None) is not None
             or state.distributed_type != DistributedType.MULTI_CPU):
         return False
-    plugin = FullyShardedDataParallelPlugin(**plugin_args)  # (FSDP1's refuses CPU processes itself)
+    check_cpu_fsdp_version(trainer.args)  # (FSDP1 and CPU offload, named with their fix)
+    plugin = FullyShardedDataParallelPlugin(**plugin_args)
     if state.mixed_precision != "no":  # what accelerate's state does with the plugin on a GPU
         plugin.set_mixed_precision(state.mixed_precision)
     patches = record_on(trainer, _FEATURE)
