@@ -230,8 +230,8 @@ _SMET_FIELDS = frozenset(f.name for f in dataclasses.fields(SMETConfig))
 _ORDER = ("cp_schedule stage {i} ({text}) starts at {unit} {start}, not after stage {j} ({unit} {earlier}): order the "
           "stages by their start.")
 _FIRST_START = "cp_schedule's first stage ({}) must start at 0 (or 0ep)."
-_LAST_START = ("cp_schedule's last stage starts at step {}, at or after --max_steps {}: raise --max_steps or start the "
-               "stage earlier.")
+_LAST_START = ("cp_schedule's last stage starts at step {0}, at or after --max_steps {1}: raise --max_steps above {0} "
+               "or start the stage earlier.")
 
 
 class StageSamples(torch.utils.data.Dataset):

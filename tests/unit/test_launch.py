@@ -718,8 +718,8 @@ def test_a_schedule_the_flags_refuse_is_refused_before_the_processes_start(start
     with pytest.raises(SystemExit) as refused:
         cli.main(["train", "--nproc", "2", "--cp_schedule", "0:256:1,4:512:2", "--max_steps", "4"])
     assert refused.value.code == 2 and not started
-    assert ("error: cp_schedule's last stage starts at step 4, at or after --max_steps 4: raise --max_steps or start "
-            "the stage earlier.") in capsys.readouterr().err
+    assert ("error: cp_schedule's last stage starts at step 4, at or after --max_steps 4: raise --max_steps above 4 "
+            "or start the stage earlier.") in capsys.readouterr().err
 
 
 def test_the_launcher_refuses_what_every_launched_process_would_before_starting_them(
