@@ -461,8 +461,13 @@ def _train_batch(trainer: Trainer, cp_size: int) -> str:
     total = distinct_train_batch_size(trainer, cp_size)
     if not _packs_documents(trainer):
         return f"{total} distinct sequences per optimizer step"
-    rows = max(1, total // trainer.args.per_device_train_batch_size)
-    return f"{total} examples per optimizer step, packed into {rows} distinct sequence{'s' * (rows != 1)}"
+    return f"{total} examples per optimizer step, {_packed_into(trainer, total)}"
+
+
+def _packed_into(trainer: Trainer, examples: int) -> str:
+    """The sequences a packing collator makes of `examples` training examples, one per device batch."""
+    rows = max(1, examples // trainer.args.per_device_train_batch_size)
+    return f"packed into {rows} distinct sequence{'s' * (rows != 1)}"
 
 
 def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | None, longest_trained: int | None,
@@ -658,9 +663,7 @@ def write_sparse_model_card(
         total = distinct_train_batch_size(trainer, cp_size)
         note = f" (distinct sequences; each is split over {cp_size} context-parallel ranks)"
         if _packs_documents(trainer):
-            rows = max(1, total // trainer.args.per_device_train_batch_size)
-            note = (f" (examples, packed into {rows} distinct sequence{'s' * (rows != 1)}; each is split over "
-                    f"{cp_size} context-parallel ranks)")
+            note = f" (examples, {_packed_into(trainer, total)}; each is split over {cp_size} context-parallel ranks)"
         card = _TOTAL_BATCH.sub(lambda _: f"- total_train_batch_size: {total}{note}", card)
         total_eval = trainer.args.eval_batch_size * trainer.args.world_size // cp_size
         card = _TOTAL_EVAL_BATCH.sub(lambda _: f"- total_eval_batch_size: {total_eval}", card)
