@@ -61,8 +61,10 @@ _LAZY = {
     "sparse_trainer_class": "trainer.sparse_trainer",
     "write_sparse_model_card": "reporting.model_card",
 }
-# TRL's SFT, DPO and KTO with the plugin (needs `pip install trl`; not in `__all__`, so `import *` does not import TRL).
-_TRL = {f"Sparse{kind}{part}": "trainer.trl" for kind in ("SFT", "DPO", "KTO") for part in ("Config", "Trainer")}
+# TRL's SFT, DPO, KTO and Reward with the plugin (needs `pip install trl`; not in `__all__`, so `import *` does not
+# import TRL).
+_TRL = {f"Sparse{kind}{part}": "trainer.trl" for kind in ("SFT", "DPO", "KTO", "Reward")
+        for part in ("Config", "Trainer")}
 __getattr__ = lazy_attributes(__name__, _LAZY | _TRL)
 
 

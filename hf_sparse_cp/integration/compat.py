@@ -218,6 +218,10 @@ PATCHES = (
     Patch("trl.KTOTrainer", "compute_loss", "reads", "under CP, TRL's KTOTrainer trains as its DPOTrainer does, "
           "its forwards (the completions' and the mismatched pairs' for the KL estimate) on whole rows",
           parameters=("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
+    Patch("trl.RewardTrainer", "compute_loss", "reads", "under CP, TRL's RewardTrainer gets its batches whole, each "
+          "forward of its model sharded and its sequence-classification head's score of each row's last token taken "
+          "on the rank holding it and summed over the CP group (`heads.pool_over_cp_group`)",
+          parameters=("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
     Patch("trl.trainer.utils", "FusedCausalLMOutput", "reads", "under CP, the whole-row hooks gather the per-token "
           "fields of TRL's fused LM head's output, drop the last position of a head given `labels` (it shifts them) "
           "and recompute its loss (the sum of -log_probs over the label tokens' count) from the whole rows"),
@@ -534,10 +538,12 @@ def cp_exact_losses() -> tuple[Callable, ...]:
 
 
 def cp_whole_row_losses() -> tuple[Callable, ...]:
-    """The `compute_loss` methods built from the per-token outputs of whole rows that CP reproduces to rounding by
-    gathering each forward's outputs over the CP group (`trainer/whole_rows.py`): TRL DPOTrainer's and KTOTrainer's."""
+    """The `compute_loss` methods built from the outputs of whole rows that CP reproduces to rounding by gathering
+    each forward's outputs over the CP group (`trainer/whole_rows.py`): TRL DPOTrainer's and KTOTrainer's (per-token
+    log-probabilities) and RewardTrainer's (a sequence-classification head's score of each row's last token)."""
     trl = sys.modules.get("trl")
-    return (trl.DPOTrainer.compute_loss, trl.KTOTrainer.compute_loss) if trl is not None else ()
+    return (trl.DPOTrainer.compute_loss, trl.KTOTrainer.compute_loss,
+            trl.RewardTrainer.compute_loss) if trl is not None else ()
 
 
 def argument_parser_classes() -> list[type]:

@@ -228,12 +228,13 @@ def check_training_arguments(args, cp_size: int, env: Mapping[str, str] | None =
 
 
 def check_loss(trainer: Trainer, cp_size: int) -> None:
-    """Raise ValueError, naming the fix, when the Trainer computes a loss of its own (TRL's reward, GRPO
+    """Raise ValueError, naming the fix, when the Trainer computes a loss of its own (TRL's GRPO, RLOO
     trainers; a script's `compute_loss` or `compute_loss_func`): under CP each rank's forward
     covers only its shard of every sequence, so a loss built from the outputs (per-sequence log-prob sums, a last
     token's score, generations, labels shifted within a shard) is the shard's, not the sequence's; such a run
-    crashed mid-step or trained on wrong values. TRL's DPOTrainer and KTOTrainer, whose forwards' per-token outputs
-    are gathered into whole rows (`whole_rows.py`), pass, unless a setting of it cannot (`check_whole_row_trainer`)."""
+    crashed mid-step or trained on wrong values. TRL's DPOTrainer, KTOTrainer and RewardTrainer, whose forwards'
+    outputs are gathered into whole rows (`whole_rows.py`), pass, unless a setting of it cannot
+    (`check_whole_row_trainer`)."""
     method = type(trainer).compute_loss
     # (the Trainer's own loss hands the logits and the rank's labels to it instead of the model's loss; label
     # smoothing's, the other such loss, is made the CP group's by `smooth_labels_over_cp_group`, for the Trainer's
@@ -273,7 +274,7 @@ def check_loss(trainer: Trainer, cp_size: int) -> None:
 
 def own_loss_refusal(trainer_class: type[Trainer], cp_size: int) -> str | None:
     """`check_loss`'s refusal of every Trainer of `trainer_class` under CP `cp_size`: its compute_loss is none that
-    CP reproduces (TRL's reward, GRPO, RLOO, ORPO trainers); None when it is one of them (a Trainer of it may still
+    CP reproduces (TRL's GRPO, RLOO, ORPO trainers); None when it is one of them (a Trainer of it may still
     be refused for its settings or model). The launcher asks it of the TRL trainer a script builds
     (`launch.known_scripts`), before any process starts and builds the script's data."""
     method = trainer_class.compute_loss
@@ -295,15 +296,17 @@ def _check_head(model: torch.nn.Module, cp_size: int, *, whole_rows: bool, own_l
     """Refuse a head that CP does not train as one process (`heads.model_head`). A language-model head trains under
     the trainers of `compat.cp_exact_losses` and `cp_whole_row_losses`; a token- or sequence-classification or a
     question-answering head under the Trainer's own compute_loss (`own_loss`), whose loss CP makes the group's
-    (`smooth_labels_over_cp_group`, `cp_group_steps`). Before, a head that pools the row's last token crashed at the
-    first step sharding its per-row labels, and a token-classification head took its shard's mean (2.269 logged at step
-    1 under CP 2 against 1.134 for one process)."""
+    (`smooth_labels_over_cp_group`, `cp_group_steps`); a sequence-classification head under a whole-row trainer (TRL's
+    RewardTrainer), whose pooled score every rank of the group holds (`heads.pool_over_cp_group`). Before, a head
+    that pools the row's last token crashed at the first step sharding its per-row labels, and a token-classification
+    head took its shard's mean (2.269 logged at step 1 under CP 2 against 1.134 for one process)."""
     head = model_head(model)
-    if head == LANGUAGE_MODEL or (head is not None and own_loss):
+    if head == LANGUAGE_MODEL or (head is not None and own_loss) or (whole_rows and head == SEQUENCE_CLASSIFICATION):
         return
     name = type(model).__name__
     if head is not None:
-        trainer = ("a whole-row trainer (TRL DPO, KTO: a language model's loss)" if whole_rows else
+        trainer = ("a whole-row trainer (TRL DPO, KTO: a language model's loss; TRL RewardTrainer: a "
+                   "sequence-classification head's)" if whole_rows else
                    "a trainer whose compute_loss is its own (TRL SFTTrainer: a language model's loss)")
         what = (f"its {head} head under {trainer} is not trained under CP as one process: CP computes a "
                 "classification or question-answering head's loss through the Trainer's own compute_loss (run_glue, "

@@ -1,6 +1,6 @@
-"""Context parallelism for a trainer whose loss is built from the per-token outputs of whole rows (TRL's
-DPOTrainer and KTOTrainer: per-sequence sums of per-token log-probabilities, of the trained model and of its
-reference).
+"""Context parallelism for a trainer whose loss is built from the outputs of whole rows (TRL's DPOTrainer and
+KTOTrainer: per-sequence sums of per-token log-probabilities, of the trained model and of its reference; TRL's
+RewardTrainer: a sequence-classification head's score of each row's last token).
 
 Such a loss is not a sum over tokens that each CP rank could take its share of, so the batch is not sharded before
 the trainer's `compute_loss`: each forward of the trained model and of the reference model inside a training or
@@ -9,10 +9,12 @@ pre-hook shards its inputs (`input_ids`, `attention_mask`, `position_ids`, the l
 Trainer's CP input preparation does); a forward hook gathers every per-token output (TRL's fused LM head's
 `log_probs`, `entropy`, `mean_logits`, ...; a plain forward's logits) into the whole rows on every rank of the CP
 group (`CPShard.whole_sequence`), in the one-process shape: a fused head called with `labels` scores each position's
-next token, so its outputs drop the last position. The trainer's own code (every DPO loss type, `ld_alpha`, the IPO
-normalization by completion length, KTO's KL estimate, rewards and metrics) then runs on whole rows, the same on every
-rank of the group. `whole_sequence`'s backward sums the group's gradients of the whole rows and hands each rank its
-own positions': averaged over the ranks (DDP, FSDP2), the gradients are one process's.
+next token, so its outputs drop the last position. A sequence-classification head's pooled score is already the
+batch's on every rank (`heads.pool_over_cp_group`) and passes as it is. The trainer's own code (every DPO loss type,
+`ld_alpha`, the IPO normalization by completion length, KTO's KL estimate, the reward model's pairwise loss, rewards
+and metrics) then runs on whole rows, the same on every rank of the group. `whole_sequence`'s backward sums the
+group's gradients of the whole rows and hands each rank its own positions': averaged over the ranks (DDP, FSDP2), the
+gradients are one process's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ..distributed import CP_SHARD_KWARG, CPShard, ParallelDims
 from ..distributed.comm import all_reduce
 from ..distributed.split.blocks import CONSUMED_KEYS
 from ..integration.backend import guard_context_parallel
+from ..integration.heads import BATCH_OUTPUT_HEADS, model_head
 
 # The inputs of a forward that the CP input preparation shards along the sequence, or folds into the CPShard (the
 # attention mask, flattened packing's sequence lengths).
@@ -121,6 +124,8 @@ def _hook(model: torch.nn.Module, patches, parallel, prepare, active) -> None:
     # the shards of the forwards this hook sharded, each with whether the forward got `labels` (which a fused head
     # shifts itself); weak: a forward that raised leaves nothing behind
     sharded_here: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    # (a sequence-classification head's pooled score is the batch's on every rank already: `pool_over_cp_group`)
+    batch_outputs = BATCH_OUTPUT_HEADS.get(model_head(model), 0)
 
     def shard(module, args, kwargs):
         if not active() or parallel().cp_size == 1 or kwargs.get(CP_SHARD_KWARG) is not None:
@@ -134,7 +139,7 @@ def _hook(model: torch.nn.Module, patches, parallel, prepare, active) -> None:
         shifted_by_head = None if cp_shard is None else sharded_here.pop(cp_shard, None)
         if shifted_by_head is None:
             return None
-        return _whole_row_outputs(type(module).__name__, output, kwargs, shifted_by_head)
+        return _whole_row_outputs(type(module).__name__, output, kwargs, shifted_by_head, batch_outputs)
 
     # (first: the CP guard's pre-hook then sees the shard, and NEFTune's scale the forward's CPShard)
     patches.on_undo(model.register_forward_pre_hook(shard, with_kwargs=True, prepend=True).remove)
@@ -169,25 +174,28 @@ def _sharded_inputs(model: str, args: tuple, kwargs: dict[str, Any], prepare) ->
             "(fused_lm_head=True): the model's own loss would be each rank's shard's, not the rows'. Compute the loss "
             f"from the gathered per-token outputs, or {_FIX}.")
     sharded = prepare(batch)
-    del sharded["labels"]  # (the fused head scores the shifted targets of this rank's positions)
+    sharded.pop("labels", None)  # (the fused head scores the shifted targets of this rank's positions)
     if not fused:
         sharded.pop("shift_labels", None)
     return {**rest, **sharded}
 
 
-def _whole_row_outputs(model: str, output, kwargs: dict[str, Any], shifted_by_head: bool):
-    """`output` of a CP forward of `model` as one process returns it for the whole rows: every per-token output
-    gathered over the CP group (`whole_sequence_outputs`), without the last position where TRL's fused head was
+def _whole_row_outputs(model: str, output, kwargs: dict[str, Any], shifted_by_head: bool, batch_outputs: int):
+    """`output` of a CP forward of `model` as one process returns it for the whole rows: its first `batch_outputs`
+    fields as they are (a sequence-classification head's pooled logits, the batch's on every rank), every per-token
+    output gathered over the CP group (`whole_sequence_outputs`), without the last position where TRL's fused head was
     given `labels` (it shifts them: one process scores seq_len - 1 positions), and the fused head's loss (its mean
     over the label tokens, or their sum over `num_items_in_batch`) recomputed from the whole rows."""
     shard = kwargs[CP_SHARD_KWARG]
     fix = (f"Fix: {_FIX}; a MoE's load-balancing loss (`aux_loss`), not a sum over tokens, is left out with TRL's "
            "--router_aux_loss_coef 0 and the model config's output_router_logits=False")
     fields = {key: value for key, value in output.items() if key != "loss"}
-    whole = whole_sequence_outputs(fields, shard, f"a forward of {model}", fix)
+    pooled = dict(list(fields.items())[:batch_outputs])
+    whole = whole_sequence_outputs({key: value for key, value in fields.items() if key not in pooled}, shard,
+                                   f"a forward of {model}", fix)
     if shifted_by_head:
         whole = {key: value[:, :-1] for key, value in whole.items()}
     if kwargs.get("fused_lm_head"):
         count = kwargs.get("num_items_in_batch")
         whole["loss"] = -whole["log_probs"].sum() / (whole["label_mask"].sum().clamp(min=1) if count is None else count)
-    return type(output)(**whole)
+    return type(output)(**pooled, **whole)

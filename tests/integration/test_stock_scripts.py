@@ -257,11 +257,13 @@ def test_trls_own_sft_script_unchanged_under_cp2_equals_one_process(workdir):
 
 
 def _trl_script(workdir: Path, name: str, script: str, data: list[dict], args: list[str],
-                cp: list[str]) -> Callable[[], subprocess.CompletedProcess]:
+                cp: list[str], test: list[dict] | None = None) -> Callable[[], subprocess.CompletedProcess]:
     """Start TRL's installed `trl/scripts/<script>.py`, unchanged, through `hf-sparse-cp launch` on `data` (JSON
-    lines); the returned call waits for it."""
+    lines; `test`: the evaluation split's); the returned call waits for it."""
     (workdir / f"{name}_data").mkdir(exist_ok=True)
-    (workdir / f"{name}_data" / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in data))
+    for split, rows in (("train", data), ("test", test)):
+        if rows is not None:
+            (workdir / f"{name}_data" / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     command = [*CLI, "launch", *cp, "-m", f"trl.scripts.{script}",
                "--model_name_or_path", "tiny", "--dataset_name", f"{name}_data", "--output_dir", name, *TRAIN,
                "--bf16", "false", "--gradient_checkpointing", "false", *PATTERN, "--sparse_min_seq_len", "64", *args]
@@ -327,27 +329,49 @@ def test_trls_grpo_script_trains_sparse_and_is_refused_at_start_under_cp(workdir
     assert "Fix: run without CP (drop --cp_size" in cp2.stderr
 
 
-def test_trls_reward_script_trains_sparse_and_is_refused_at_start_under_cp(workdir):
+def test_trls_reward_script_under_cp2_equals_one_process(workdir):
     """TRL's reward.py (a sequence-classification head scoring each row's last token, its own pairwise loss) trains
-    with sparse attention in one process; under CP 2 it is refused naming the fix, by the launcher before any process
-    starts (it was refused once every process had built its Trainer, after its data)."""
-    prompts, chosen, rejected = _words(6, 0), _words(6, 1), _words(6, 2)
+    with sparse attention, and under CP 2, where it was refused at start, as one process does: its batches are kept
+    whole, each forward sharded and the head's score of each row's last token taken on the rank holding it
+    (`whole_rows.py`, `heads.pool_over_cp_group`): the loss, grad_norm, rewards, accuracy and margin of every step and
+    of an evaluation, and the saved weights (SGD: the update is the gradient's)."""
+    prompts, chosen, rejected = _words(8, 0), _words(8, 1), _words(8, 2)
     data = [{"chosen": f"{p} {c}", "rejected": f"{p} {r}"} for p, c, r in zip(prompts, chosen, rejected)]
-    one, cp2 = (_trl_script(workdir, f"reward_{name}", "reward", data, [], cp)
+    args = ["--optim", "sgd", "--learning_rate", "0.05", "--per_device_train_batch_size", "2", "--eval_strategy",
+            "steps", "--eval_steps", "3", "--per_device_eval_batch_size", "2"]
+    one, cp2 = (_trl_script(workdir, f"reward_{name}", "reward", data, args, cp, test=data[:3])
                 for name, cp in (("one", []), ("cp2", ["--nproc", "2", "--cp_size", "2"])))
     one, cp2 = one(), cp2()
     assert one.returncode == 0, one.stderr[-6000:]
-    logs = _logs(one.stdout)
-    assert len(logs) == 3 and any(float(log["sparse/kept_fraction"]) < 0.95 for log in logs), logs
-    assert cp2.returncode == 2 and "'loss'" not in cp2.stdout and "Traceback" not in cp2.stderr, cp2.stderr[-6000:]
-    assert cp2.stderr.count("hf-sparse-cp launch: error: RewardTrainer under context parallelism (CP 2) is not "
-                            "supported") == 1 and "torch/distributed" not in cp2.stderr, cp2.stderr[-6000:]
-    assert "Fix: run without CP (drop --cp_size" in cp2.stderr
+    assert cp2.returncode == 0, cp2.stderr[-6000:]
+    assert "context parallelism: CP 2 x DP 1" in cp2.stderr + cp2.stdout
+    logs, reference = _logs(cp2.stdout), _logs(one.stdout)
+    assert len(logs) == len(reference) == 3 and logs[0]["loss"] != logs[2]["loss"], (logs, reference)
+    assert any(float(log["sparse/kept_fraction"]) < 0.95 for log in reference), reference
+    for got, want in zip(logs, reference):  # (as TRL prints them: 4 significant digits)
+        for key in ("loss", "grad_norm", "min_reward", "mean_reward", "max_reward", "accuracy", "margin",
+                    "num_tokens"):
+            assert float(got[key]) == pytest.approx(float(want[key]), rel=1e-3, abs=1e-4), (key, logs, reference)
+    evaluated, reference = _eval_logs(cp2.stdout), _eval_logs(one.stdout)
+    assert len(evaluated) == len(reference) == 1, (evaluated, reference)
+    for key in ("eval_loss", "eval_mean_reward", "eval_accuracy", "eval_margin"):
+        assert float(evaluated[0][key]) == pytest.approx(float(reference[0][key]), rel=1e-3, abs=1e-4), key
+    weights, trained = load_file(workdir / "reward_cp2" / "model.safetensors"), load_file(
+        workdir / "reward_one" / "model.safetensors")
+    for name, tensor in trained.items():
+        assert torch.allclose(weights[name], tensor, rtol=1e-5, atol=1e-6), name
+    base = load_file(workdir / "tiny" / "model.safetensors")
+    assert any(not torch.equal(trained[name], base[name]) for name in base if name in trained)  # (it trained)
 
 
 def _logs(stdout: str) -> list[dict]:
     """The training logs a TRL script printed (their values as TRL prints them: text, 4 significant digits)."""
     return [ast.literal_eval(log) for log in re.findall(r"\{'loss': [^{}]*\}", stdout)]
+
+
+def _eval_logs(stdout: str) -> list[dict]:
+    """The evaluation logs a TRL script printed."""
+    return [ast.literal_eval(log) for log in re.findall(r"\{'eval_loss': [^{}]*\}", stdout)]
 
 
 def _assert_loads_without_the_plugin(*folders: Path) -> None:

@@ -1,7 +1,8 @@
-"""TRL's DPOTrainer and KTOTrainer under context parallelism: each rank's forward (the policy's and the reference's)
-takes its shard of every row, and the per-token log-probabilities come back whole on every rank of the CP group (an
-all-gather that hands each rank the gradient of its own positions), so TRL's own loss, rewards and metrics run on whole
-rows. The logged loss, rewards and metrics and the parameters after the steps are one process's."""
+"""TRL's DPOTrainer, KTOTrainer and RewardTrainer under context parallelism: each rank's forward (the policy's and the
+reference's) takes its shard of every row, and the per-token log-probabilities (a reward model's score of each row's
+last token) come back whole on every rank of the CP group (an all-gather that hands each rank the gradient of its own
+positions), so TRL's own loss, rewards and metrics run on whole rows. The logged loss, rewards and metrics and the
+parameters after the steps are one process's."""
 
 import os
 
@@ -287,3 +288,86 @@ def test_a_reference_trl_loads_as_sparse_cp_takes_the_trained_models_pattern(tmp
     stored = trainer.ref_model.config.sparse_attention
     attend_like_trained_model(trainer, args.plugin_arguments(), None)  # (once alike, left as it is)
     assert trainer.ref_model.config.sparse_attention is stored
+
+
+REWARD_LOGGED = ("loss", "grad_norm", "min_reward", "mean_reward", "max_reward", "accuracy", "margin", "num_tokens")
+
+
+def _train_reward(rank: int, world: int, output_dir: str, cp: dict, settings: dict, lora: bool = False,
+                  eval_rows: int = 3) -> dict:
+    """Two steps of TRL's RewardTrainer (a sequence-classification head scoring each row's last token, the pairwise
+    loss of chosen against rejected) and an evaluation on `eval_rows` pairs, on pairs with a margin; with `lora`, of a
+    LoRA adapter (the score head trained beside it)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from hf_sparse_cp import SparseRewardConfig, SparseRewardTrainer
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="1")
+    torch.manual_seed(0)
+    tokenizer = byte_tokenizer()
+    model = AutoModelForSequenceClassification.from_config(tiny_config(
+        "llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, head_dim=16, num_labels=1,
+        pad_token_id=tokenizer.pad_token_id))
+
+    def pairs(n: int, seed: int) -> dict[str, list]:
+        rows = _pairs(n, seed)
+        return {"chosen": [f"{p} {c}" for p, c in zip(rows["prompt"], rows["chosen"])],
+                "rejected": [f"{p} {r}" for p, r in zip(rows["prompt"], rows["rejected"])],
+                "margin": torch.linspace(0, 1, n).tolist()}
+
+    peft = {}
+    if lora:
+        from peft import LoraConfig
+
+        peft = {"peft_config": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                          task_type="SEQ_CLS")}
+    reward = {key: DPO[key] for key in ("max_steps", "per_device_train_batch_size", "optim", "learning_rate",
+                                        "logging_steps", "report_to", "save_strategy", "bf16", "gradient_checkpointing",
+                                        "seed", "data_seed", "dataset_num_proc")}
+    args = SparseRewardConfig(output_dir=output_dir, max_length=256, **{**reward, **settings}, **PATTERN, **cp)
+    trainer = SparseRewardTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict(pairs(8, 0)),
+                                  eval_dataset=datasets.Dataset.from_dict(pairs(eval_rows, 3)),
+                                  processing_class=tokenizer, **peft)
+    lengths = []
+    hook = trainer.model.get_input_embeddings().register_forward_hook(lambda m, a, out: lengths.append(out.shape[1]))
+    trainer.train()
+    hook.remove()
+    evaluation = trainer.evaluate()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    return {"logs": [{key: log[key] for key in REWARD_LOGGED} for log in logs], "lengths": lengths,
+            "eval": {key: evaluation[f"eval_{key}"] for key in REWARD_LOGGED if f"eval_{key}" in evaluation},
+            "kept": [log.get("sparse/kept_fraction") for log in logs],
+            "weights": {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                        for name, p in trainer.model.named_parameters() if p.requires_grad}}
+
+
+@pytest.mark.parametrize(("cp", "settings", "lora", "world"), [
+    ({"cp_size": 2}, {"center_rewards_coefficient": 0.01, "gradient_checkpointing": True}, False, 2),  # ring, striped
+    ({"cp_size": 2, "cp_mode": "ulysses"}, {}, True, 2),
+    ({"cp_size": 2, "cp_sharding": "zigzag", **FSDP2}, {}, False, 2),  # sharded parameters
+    ({"cp_size": 2}, {}, False, 4),  # DP 2 x CP 2: each CP group half of every batch
+], ids=["ring-striped-centered", "ulysses-lora", "fsdp2-ring-zigzag", "dp2-x-cp2"])
+def test_reward_under_cp_equals_one_process(tmp_path, cp, settings, lora, world):
+    """TRL's RewardTrainer under CP: each forward takes its shard of every row, and the head's score of each row's
+    last token, taken on the rank holding it, comes back to every rank of the CP group (`heads.pool_over_cp_group`),
+    so TRL's pairwise loss (a margin per pair; centered rewards), its metrics, an evaluation's and the trained weights
+    after two SGD steps are one process's (under DP 2 x CP 2, one process's on the whole batch). Before, it was
+    refused at start."""
+    dp = world // 2
+    whole = {"per_device_train_batch_size": 2 * dp}
+    # (DP 2 pads an evaluation set it cannot split evenly with repeated rows, which TRL's means count: 4 pairs)
+    eval_rows = 3 if dp == 1 else 4
+    one = run_gloo(_train_reward, 1, str(tmp_path / "one"), {}, {**settings, **whole}, lora, eval_rows,
+                   timeout_s=300)[0]
+    assert one["logs"][0]["loss"] != pytest.approx(one["logs"][1]["loss"])  # (it trained)
+    assert any(0 < kept < 1 for kept in one["kept"])  # the sparse path ran
+    for rank in run_gloo(_train_reward, world, str(tmp_path / "cp"), cp, settings, lora, eval_rows, timeout_s=300):
+        for got, want in zip([*rank["logs"], rank["eval"]], [*one["logs"], one["eval"]], strict=True):
+            assert got.keys() == want.keys()
+            for key in want:
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (key, got[key], want[key])
+        for name, want in one["weights"].items():
+            assert torch.allclose(rank["weights"][name], want, rtol=1e-5, atol=1e-6), name
+        # (each rank's forward took half of each of its rows: a DP group's longest row is at most the batch's)
+        assert all(2 * n <= m + 64 for n, m in zip(rank["lengths"][:2], one["lengths"][:2])), rank["lengths"]

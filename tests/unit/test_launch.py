@@ -1164,7 +1164,7 @@ TRL_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("script, refused", [
-    (["-m", "trl.scripts.reward"], "RewardTrainer"),
+    (["-m", "trl.scripts.reward"], None),  # (CP pools its head's score over the group's whole rows)
     (["-m", "trl.scripts.grpo"], "GRPOTrainer"),
     (["-m", "trl.scripts.dpo"], None),  # (CP gathers its whole rows)
     (["-m", "trl.scripts.sft"], None),
@@ -1182,9 +1182,9 @@ TRL_SCRIPT = textwrap.dedent("""
 def test_a_trl_trainer_cp_does_not_reproduce_is_refused_before_the_processes_start(started, monkeypatch,
                                                                                    tmp_path, capsys,
                                                                                     script, refused):
-    """TRL's reward, GRPO and ORPO trainers under CP were refused only once every process had built its Trainer,
+    """TRL's GRPO and ORPO trainers under CP were refused only once every process had built its Trainer,
     after loading and tokenizing the data: the launcher reads which trainer the script builds from its source
-    (`-m trl.scripts.reward`, a script that builds TRL's ORPOTrainer) and refuses with the same message before any
+    (`-m trl.scripts.grpo`, a script that builds TRL's ORPOTrainer) and refuses with the same message before any
     process starts; where the source does not say for sure, the processes refuse as before. Each process refuses it
     too as its flags parse (`launched`), for a launch that does not go through `hf-sparse-cp launch`."""
     pytest.importorskip("trl")
@@ -1218,10 +1218,10 @@ def test_each_process_refuses_the_trl_trainer_its_script_builds_as_its_flags_par
         run.trainers = [trl.SFTTrainer]
         HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(argv)
     with launched(PluginArguments()) as run, pytest.raises(SystemExit) as refused:
-        run.trainers = [trl.RewardTrainer]
+        run.trainers = [trl.GRPOTrainer]
         HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(argv)
     assert refused.value.code == 2
-    assert "error: RewardTrainer under context parallelism (CP 2) is not supported" in capsys.readouterr().err
+    assert "error: GRPOTrainer under context parallelism (CP 2) is not supported" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="liger-kernel runs on CUDA")
