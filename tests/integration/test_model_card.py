@@ -42,7 +42,7 @@ PATTERN = SparseAttentionConfig(block_size=32, min_seq_len=128, vertical_topk=8,
 
 
 def _trainer(output_dir, cp_size: int = 1, smet: bool = True, pattern: SparseAttentionConfig = PATTERN,
-             sharding: str = "striped"):
+             sharding: str = "striped", collator=default_data_collator):
     """A tiny Qwen2 with sparse attention (and SMET) on 512-token passkey rows: 2 per device, 2 accumulated."""
     tok = byte_tokenizer()
     torch.manual_seed(0)
@@ -53,7 +53,7 @@ def _trainer(output_dir, cp_size: int = 1, smet: bool = True, pattern: SparseAtt
     sparse = SparseCPArguments(sparse_attention=True)
     enable_sparse_attention(model, sparse, pattern, training, max_length=SEQ_LEN)
     trainer = Trainer(model=model, args=training, train_dataset=passkey_dataset(tok, 8, SEQ_LEN),
-                      data_collator=default_data_collator, processing_class=tok)
+                      data_collator=collator, processing_class=tok)
     parallel = attach_to_trainer(trainer, sparse, ContextParallelConfig(cp_size=cp_size, cp_sharding=sharding))
     if smet:
         install_smet(trainer, SMETConfig(density=0.5, update_interval=2))
@@ -196,11 +196,11 @@ def test_the_saved_model_loads_and_generates_without_the_plugin(smet_run, tmp_pa
     assert done.stdout.split()[-1] == "5"
 
 
-def _card_under_cp2(rank: int, world: int, output_dir: str, smet: bool = True, sharding: str = "striped"
-                    ) -> dict | None:
+def _card_under_cp2(rank: int, world: int, output_dir: str, smet: bool = True, sharding: str = "striped",
+                    collator=default_data_collator) -> dict | None:
     """Two processes, one CP group: train two steps, write the card (rank 0 only)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    trainer, parallel = _trainer(output_dir, cp_size=2, smet=smet, sharding=sharding)
+    trainer, parallel = _trainer(output_dir, cp_size=2, smet=smet, sharding=sharding, collator=collator)
     trainer.train()
     path = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN)
     disable_sparse_attention(trainer.model)
@@ -211,11 +211,15 @@ def _card_under_cp2(rank: int, world: int, output_dir: str, smet: bool = True, s
 
 
 def _cards_under_cp2(rank: int, world: int, output_dir: str) -> dict | None:
-    """The CP run with SMET (striped) and without (the document planner), one after the other in the same two
-    processes."""
+    """The CP run with SMET (striped) and without (the document planner; the same with a packing collator), one after
+    the other in the same two processes."""
+    from transformers import DataCollatorWithFlattening
+
+    collators = {"cp_packed": DataCollatorWithFlattening()}
     runs = {name: _card_under_cp2(rank, world, os.path.join(output_dir, name), smet=name == "cp_smet",
-                                  sharding="striped" if name == "cp_smet" else "document")
-            for name in ("cp_smet", "cp")}
+                                  sharding="striped" if name == "cp_smet" else "document",
+                                  collator=collators.get(name, default_data_collator))
+            for name in ("cp_smet", "cp", "cp_packed")}
     return None if runs["cp"] is None else runs
 
 
@@ -249,6 +253,12 @@ def test_the_card_of_a_cp2_run_counts_distinct_sequences(cp_runs):
     # documents block aligned, which the card then said)
     assert "document sharding" in runs["cp"]["card"] and "BlockAlignedFlattening" not in runs["cp"]["card"]
     assert set(TAGS) <= set(_front_matter(card)["tags"])
+    # a packing collator under CP: the 4 examples a step reads are packed 2 to a sequence, each sequence split over
+    # the 2 ranks (the CP branch of the line; the one-process table row is tested below)
+    packed = runs["cp_packed"]["card"]
+    assert ("- total_train_batch_size: 4 (examples, packed into 2 distinct sequences; each is split over 2 "
+            "context-parallel ranks)") in packed, packed
+    assert _rows(packed)["total train batch size"] == "4 examples per optimizer step, packed into 2 distinct sequences"
 
 
 def _rows(card: str) -> dict[str, str]:
