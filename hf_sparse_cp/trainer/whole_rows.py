@@ -19,6 +19,7 @@ gradients are one process's.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -130,7 +131,7 @@ def _hook(model: torch.nn.Module, patches, parallel, prepare, active) -> None:
     def shard(module, args, kwargs):
         if not active() or parallel().cp_size == 1 or kwargs.get(CP_SHARD_KWARG) is not None:
             return None
-        inputs = _sharded_inputs(type(module).__name__, args, kwargs, prepare)
+        inputs = _sharded_inputs(type(module).__name__, _by_name(module, args, kwargs), prepare)
         sharded_here[inputs[CP_SHARD_KWARG]] = kwargs.get("labels") is not None and kwargs.get("shift_labels") is None
         return (), inputs
 
@@ -146,15 +147,30 @@ def _hook(model: torch.nn.Module, patches, parallel, prepare, active) -> None:
     patches.on_undo(model.register_forward_hook(gather, with_kwargs=True).remove)
 
 
-def _sharded_inputs(model: str, args: tuple, kwargs: dict[str, Any], prepare) -> dict[str, Any]:
-    """This rank's keyword inputs for a forward of `model` called with whole rows (`kwargs`): the CP input preparation
-    of its sequence inputs, with the other keywords as given. Raises ValueError, naming the input and the fix, for
-    positional inputs, for a per-token input the preparation does not shard, and for labels handed to a forward
-    without TRL's fused LM head (the model's own loss would be this rank's shard's)."""
-    if args:
-        raise ValueError(f"a forward of {model} under context parallelism got {len(args)} positional inputs: the "
-                         "plugin shards the keyword inputs of a whole-row forward (input_ids=..., attention_mask=...); "
-                         f"pass them by name, or {_FIX}.")
+def _by_name(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The inputs of a forward of `module` called with `args` and `kwargs`, each by its parameter's name (TRL's ORPO
+    and CPO trainers pass input_ids positionally). Raises ValueError, naming the fix, where the forward's signature
+    does not name them."""
+    if not args:
+        return kwargs
+    try:
+        bound = inspect.signature(module.forward).bind_partial(*args)
+    except (TypeError, ValueError):
+        bound = None
+    parameters = inspect.signature(module.forward).parameters if bound is not None else {}
+    if bound is None or any(parameters[name].kind is inspect.Parameter.VAR_POSITIONAL for name in bound.arguments):
+        raise ValueError(
+            f"a forward of {type(module).__name__} under context parallelism got {len(args)} positional inputs that "
+            "its signature does not name: the plugin shards the inputs of a whole-row forward by name (input_ids=..., "
+            f"attention_mask=...); pass them by name, or {_FIX}.")
+    return {**bound.arguments, **kwargs}
+
+
+def _sharded_inputs(model: str, kwargs: dict[str, Any], prepare) -> dict[str, Any]:
+    """This rank's keyword inputs for a forward of `model` called with whole rows (`kwargs`, every input by name): the
+    CP input preparation of its sequence inputs, with the other keywords as given. Raises ValueError, naming the input
+    and the fix, for a per-token input the preparation does not shard, and for labels handed to a forward without
+    TRL's fused LM head (the model's own loss would be this rank's shard's)."""
     batch = {key: kwargs[key] for key in SHARDED_INPUTS if kwargs.get(key) is not None}
     rest = {key: value for key, value in kwargs.items() if key not in SHARDED_INPUTS}
     rows = batch.get("input_ids", batch.get("inputs_embeds"))

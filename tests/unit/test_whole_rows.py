@@ -1,11 +1,12 @@
-"""The inputs of a whole-row forward under CP (TRL DPO's and KTO's, `trainer/whole_rows.py`): the CP input preparation
-takes the sequence inputs, the other keywords pass as given, and what it cannot shard is refused naming the input."""
+"""The inputs of a whole-row forward under CP (TRL DPO's, KTO's, ORPO's..., `trainer/whole_rows.py`): the CP input
+preparation takes the sequence inputs (positional ones by their parameter's name), the other keywords pass as given,
+and what it cannot shard is refused naming the input."""
 
 import pytest
 import torch
 
 from hf_sparse_cp.distributed import ParallelDims, prepare_context_parallel_inputs
-from hf_sparse_cp.trainer.whole_rows import _sharded_inputs
+from hf_sparse_cp.trainer.whole_rows import _by_name, _sharded_inputs
 
 
 def _prepare(batch):
@@ -19,7 +20,7 @@ def _rows():
 
 def test_a_fused_forward_gets_the_shard_s_shifted_targets_and_its_own_keywords():
     rows = _rows()
-    inputs = _sharded_inputs("M", (), {**rows, "fused_lm_head": True, "use_cache": False}, _prepare)
+    inputs = _sharded_inputs("M", {**rows, "fused_lm_head": True, "use_cache": False}, _prepare)
     assert inputs["use_cache"] is False and inputs["fused_lm_head"] is True
     assert "labels" not in inputs and "attention_mask" not in inputs  # (the mask is the CPShard's)
     assert torch.equal(inputs["shift_labels"][:, :39], rows["labels"][:, 1:])  # shifted before sharding
@@ -33,9 +34,25 @@ def test_a_fused_forward_gets_the_shard_s_shifted_targets_and_its_own_keywords()
 ])
 def test_what_the_preparation_cannot_shard_is_refused_naming_it(kwargs, refusal):
     with pytest.raises(ValueError, match=refusal):
-        _sharded_inputs("M", (), {**_rows(), **kwargs}, _prepare)
+        _sharded_inputs("M", {**_rows(), **kwargs}, _prepare)
 
 
-def test_positional_inputs_are_refused():
-    with pytest.raises(ValueError, match=r"got 1 positional inputs.*pass them by name"):
-        _sharded_inputs("M", (_rows()["input_ids"],), {}, _prepare)
+def test_positional_inputs_are_named_by_the_forwards_signature_and_refused_where_it_names_none():
+    """TRL's ORPO and CPO trainers call `model(input_ids, attention_mask=...)`: the input is sharded as input_ids; a
+    forward taking `*args` names none, and is refused naming the fix."""
+
+    class Named(torch.nn.Module):
+        def forward(self, input_ids=None, attention_mask=None, **kwargs):
+            return input_ids
+
+    class Anonymous(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return args
+
+    rows = _rows()
+    named = _by_name(Named(), (rows["input_ids"],), {"attention_mask": rows["attention_mask"], "use_cache": False})
+    assert named.keys() == {"input_ids", "attention_mask", "use_cache"} and named["input_ids"] is rows["input_ids"]
+    assert _by_name(Named(), (), rows) is rows
+    with pytest.raises(ValueError, match=r"got 1 positional inputs that its signature does not name.*pass them by "
+                                         "name"):
+        _by_name(Anonymous(), (rows["input_ids"],), {})
