@@ -68,8 +68,9 @@ def test_the_degrees_a_head_refusal_suggests_run_at_that_cp_degree(heads, cp):
     config = types.SimpleNamespace(num_attention_heads=heads, num_key_value_heads=1)
     with pytest.raises(ValueError, match="needs at least") as refused:
         ContextParallelConfig(cp_size=cp, cp_mode="ulysses").check_model(config)
-    fits = ast.literal_eval(re.search(r"\[[\d, ]*\]", str(refused.value)).group(0))  # (the first degrees named)
-    assert fits and max(fits) <= heads
+    named = re.search(r"\[[\d, ]*\]", str(refused.value))  # (the first degrees named; none: ring alone)
+    fits = ast.literal_eval(named.group(0)) if named else [1]
+    assert fits and max(fits) <= heads and "--cp_mode ring" in str(refused.value)
     for degree in fits:
         ContextParallelConfig(cp_size=cp, cp_mode="hybrid", cp_ulysses_size=degree).check_model(config)
     assert ("--cp_mode hybrid" in str(refused.value)) == (fits != [1])
