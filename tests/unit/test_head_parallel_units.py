@@ -56,6 +56,26 @@ def test_a_degree_the_heads_cannot_serve_is_refused_naming_the_numbers(hq, hkv, 
         HeadSplit(hq, hkv, size)
 
 
+@pytest.mark.parametrize("heads, cp", [(2, 3), (3, 4), (14, 64), (6, 8), (5, 6)])
+def test_the_degrees_a_head_refusal_suggests_run_at_that_cp_degree(heads, cp):
+    """Under ulysses at CP 3 with 2 query heads the refusal suggested a head-parallel degree of 2 with --cp_mode
+    hybrid (the heads' divisors), which the CP check refuses next (2 does not divide 3); at CP 64 with 14 heads 7
+    and 14. Each degree it suggests now runs under --cp_mode hybrid at that CP degree, and hybrid is not suggested
+    where no degree above 1 fits."""
+    import ast
+    import re
+
+    config = types.SimpleNamespace(num_attention_heads=heads, num_key_value_heads=1)
+    with pytest.raises(ValueError, match="needs at least") as refused:
+        ContextParallelConfig(cp_size=cp, cp_mode="ulysses").check_model(config)
+    named = re.search(r"\[[\d, ]*\]", str(refused.value))  # (the first degrees named; none: ring alone)
+    fits = ast.literal_eval(named.group(0)) if named else [1]
+    assert fits and max(fits) <= heads and "--cp_mode ring" in str(refused.value)
+    for degree in fits:
+        ContextParallelConfig(cp_size=cp, cp_mode="hybrid", cp_ulysses_size=degree).check_model(config)
+    assert ("--cp_mode hybrid" in str(refused.value)) == (fits != [1])
+
+
 @pytest.mark.parametrize("sharding", ["striped", "zigzag", "contiguous"])
 @pytest.mark.parametrize("ring, pieces, seq", [(2, 2, 250), (1, 4, 250), (3, 2, 97), (2, 3, 1000)])
 def test_a_nested_split_cuts_each_ring_shard_into_contiguous_pieces(sharding, ring, pieces, seq):

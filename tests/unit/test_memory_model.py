@@ -181,7 +181,8 @@ def test_the_memory_command_answers_how_long_fits(capsys, tmp_path):
      "argument --smet-density: 1.5 must be in (0, 1]"),
     (["--model", "qwen2.5-0.5b", "--gpu-memory", "--quiet"], "argument --gpu-memory: expected one argument"),
     # more head-parallel ranks than the model's 14 query heads: refused naming the fix, not a traceback
-    (["--model", "qwen2.5-0.5b", "--cp", "64", "--cp_mode", "ulysses"], "at most 14 (balanced: [1, 2, 7, 14])"),
+    (["--model", "qwen2.5-0.5b", "--cp", "64", "--cp_mode", "ulysses"],
+     "at most 14 that divides 64 ([1, 2, 4, 8]; balanced over the heads: [1, 2])"),
     # '' (an unset shell variable) read as no value: the default pattern predicted, no JSON written, without a word
     (["--model", "qwen2.5-0.5b", "--sparse-config", ""], "--sparse-config '' is empty (an unset shell variable?): "
      "give its value, or drop the flag."),

@@ -351,7 +351,7 @@ def test_more_head_parallel_ranks_than_query_heads_are_refused_before_simulating
     out, err = capsys.readouterr()
     assert refused.value.code == 2  # as argparse refuses a flag
     assert "error: --cp 64 --cp_mode ulysses: a head-parallel degree of 64 needs at least 64 query heads" in err
-    assert "balanced: [1, 2, 7, 14]" in err
+    assert "at most 14 that divides 64 ([1, 2, 4, 8]; balanced over the heads: [1, 2])" in err
     assert "configuration" not in out  # (no row simulated)
 
 

@@ -32,14 +32,21 @@ class HeadSplit:
             raise ValueError(f"{self.q_heads} query heads and {self.kv_heads} key/value heads: the query heads must "
                              "be a multiple of the key/value heads.")
         if not 1 <= self.size <= self.q_heads:
-            divisors = [d for d in range(1, self.q_heads + 1) if self.q_heads % d == 0]
+            # The degrees to suggest divide the one refused, so a CP degree it divides (the CP degree itself under
+            # ulysses, a multiple of it under hybrid) splits into their head groups too; a divisor of the heads
+            # alone (7 of 14 heads at CP 64) would only be refused next by the CP check.
+            fits = [d for d in range(1, self.q_heads + 1) if self.size % d == 0]
+            balanced = [d for d in fits if self.q_heads % d == 0]
+            ring = f"{flag_setting('cp_mode', 'ring')} (no head parallelism, any number of heads)"
+            fix = (f"use a head-parallel degree of at most {self.q_heads} that divides {self.size} ({fits}; balanced "
+                   f"over the heads: {balanced}): {flag_setting('cp_mode', 'hybrid')} with "
+                   f"{flag_setting('cp_ulysses_size')} among those and the ring over the rest of the CP degree, or "
+                   f"{ring}." if fits != [1] else
+                   f"no head-parallel degree above 1 that divides {self.size} fits {self.q_heads} heads: use {ring}.")
             raise ValueError(
                 f"a head-parallel degree of {self.size} needs at least {self.size} query heads, but the model has "
-                f"{self.q_heads} (and {self.kv_heads} key/value heads): every rank must compute at least one head. Use "
-                f"a head-parallel degree of at most {self.q_heads} (balanced: {divisors}): "
-                f"{flag_setting('cp_mode', 'hybrid')} with {flag_setting('cp_ulysses_size')} among those and the "
-                f"ring over the rest of the CP degree, or {flag_setting('cp_mode', 'ring')} (no head parallelism, any "
-                "number of heads)."
+                f"{self.q_heads} (and {self.kv_heads} key/value heads): every rank must compute at least one head; "
+                f"{fix}"
             )
 
     @property
