@@ -109,6 +109,8 @@ _ACCELERATOR = "accelerate.Accelerator"
 PARSERS = ("transformers.HfArgumentParser", "trl.scripts._hf_argparser.HfArgumentParser")
 _CP_UNDO = "disable_trainer_context_parallel(trainer) / disable_curriculum(trainer) (detach_from_trainer)"
 _LAUNCH_UNDO = "the end of the launched script (`launched`)"
+# TRL's experimental trainers whose loss CP reproduces on whole rows: (module, class), read where a script imported them
+WHOLE_ROW_EXPERIMENTAL = (("trl.experimental.orpo", "ORPOTrainer"), ("trl.experimental.cpo", "CPOTrainer"))
 
 PATCHES = (
     # -- the Trainer instance: context parallelism and the curriculum --
@@ -218,6 +220,12 @@ PATCHES = (
     Patch("trl.KTOTrainer", "compute_loss", "reads", "under CP, TRL's KTOTrainer trains as its DPOTrainer does, "
           "its forwards (the completions' and the mismatched pairs' for the KL estimate) on whole rows",
           parameters=("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
+    *(Patch(f"{module}.{name}", "compute_loss", "reads", f"under CP, TRL's experimental {name} gets its batches "
+            "whole, each forward of its model sharded (its input_ids passed positionally, named by the forward's "
+            "signature) and its logits gathered back into whole rows", parameters=("self", "model", "inputs",
+                                                                                    "return_outputs",
+                                                                                    "num_items_in_batch"))
+      for module, name in WHOLE_ROW_EXPERIMENTAL),
     Patch("trl.RewardTrainer", "compute_loss", "reads", "under CP, TRL's RewardTrainer gets its batches whole, each "
           "forward of its model sharded and its sequence-classification head's score of each row's last token taken "
           "on the rank holding it and summed over the CP group (`heads.pool_over_cp_group`)",
@@ -540,10 +548,14 @@ def cp_exact_losses() -> tuple[Callable, ...]:
 def cp_whole_row_losses() -> tuple[Callable, ...]:
     """The `compute_loss` methods built from the outputs of whole rows that CP reproduces to rounding by gathering
     each forward's outputs over the CP group (`trainer/whole_rows.py`): TRL DPOTrainer's and KTOTrainer's (per-token
-    log-probabilities) and RewardTrainer's (a sequence-classification head's score of each row's last token)."""
+    log-probabilities), RewardTrainer's (a sequence-classification head's score of each row's last token) and, where
+    imported, the experimental ORPOTrainer's and CPOTrainer's (a plain forward's logits)."""
     trl = sys.modules.get("trl")
-    return (trl.DPOTrainer.compute_loss, trl.KTOTrainer.compute_loss,
-            trl.RewardTrainer.compute_loss) if trl is not None else ()
+    if trl is None:
+        return ()
+    experimental = tuple(getattr(sys.modules[module], name).compute_loss for module, name in WHOLE_ROW_EXPERIMENTAL
+                         if module in sys.modules)
+    return (trl.DPOTrainer.compute_loss, trl.KTOTrainer.compute_loss, trl.RewardTrainer.compute_loss, *experimental)
 
 
 def argument_parser_classes() -> list[type]:

@@ -274,7 +274,7 @@ def check_loss(trainer: Trainer, cp_size: int) -> None:
 
 def own_loss_refusal(trainer_class: type[Trainer], cp_size: int) -> str | None:
     """`check_loss`'s refusal of every Trainer of `trainer_class` under CP `cp_size`: its compute_loss is none that
-    CP reproduces (TRL's GRPO, RLOO, ORPO trainers); None when it is one of them (a Trainer of it may still
+    CP reproduces (TRL's GRPO, RLOO, distillation trainers); None when it is one of them (a Trainer of it may still
     be refused for its settings or model). The launcher asks it of the TRL trainer a script builds
     (`launch.known_scripts`), before any process starts and builds the script's data."""
     method = trainer_class.compute_loss

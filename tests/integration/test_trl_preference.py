@@ -1,8 +1,8 @@
-"""TRL's DPOTrainer, KTOTrainer and RewardTrainer under context parallelism: each rank's forward (the policy's and the
-reference's) takes its shard of every row, and the per-token log-probabilities (a reward model's score of each row's
-last token) come back whole on every rank of the CP group (an all-gather that hands each rank the gradient of its own
-positions), so TRL's own loss, rewards and metrics run on whole rows. The logged loss, rewards and metrics and the
-parameters after the steps are one process's."""
+"""TRL's DPOTrainer, KTOTrainer, RewardTrainer and experimental ORPO / CPO trainers under context parallelism: each
+rank's forward (the policy's and the reference's) takes its shard of every row, and the per-token log-probabilities
+(a reward model's score of each row's last token; ORPO's and CPO's logits) come back whole on every rank of the CP
+group (an all-gather that hands each rank the gradient of its own positions), so TRL's own loss, rewards and metrics
+run on whole rows. The logged loss, rewards and metrics and the parameters after the steps are one process's."""
 
 import os
 
@@ -235,60 +235,57 @@ def test_dpo_with_a_cp_schedule_is_refused_at_start_naming_cp_size(tmp_path):
         run_gloo(_with_schedule, 2, str(tmp_path), timeout_s=120)
 
 
-@pytest.mark.parametrize("name", ["orpo", "cpo"])
-def test_orpo_and_cpo_train_with_sparse_attention_without_cp(tmp_path, name):
-    """TRL's experimental ORPO and CPO trainers batch `chosen_input_ids` and `rejected_input_ids`, no `input_ids`: the
-    plugin's tokens/s count raised 'context-parallel inputs need `input_ids`' at the first step of a run without CP.
-    They train with sparse attention (no tokens/s logged) as the stock trainer does; under CP they stay refused."""
+def _train_odds(rank: int, world: int, output_dir: str, name: str, cp: dict) -> dict:
+    """Two steps of TRL's experimental ORPO (`name` "orpo") or CPO ("cpo") trainer and an evaluation on 3 pairs."""
     import importlib
 
     from hf_sparse_cp import sparse_arguments_class, sparse_trainer_class
-    from hf_sparse_cp.trainer.context_parallel import check_loss
 
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="1")
     module = importlib.import_module(f"trl.experimental.{name}")
     config, trainer_class = (getattr(module, f"{name.upper()}{kind}") for kind in ("Config", "Trainer"))
-    tokenizer = byte_tokenizer()
-    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
-    args = sparse_arguments_class(config)(output_dir=str(tmp_path), max_length=256, max_steps=1,
-                                          per_device_train_batch_size=2, report_to="none", save_strategy="no",
-                                          bf16=False, logging_steps=1, **PATTERN)
-    trainer = sparse_trainer_class(trainer_class)(model=model, args=args, train_dataset=datasets.Dataset.from_dict(
-        _pairs(2)), processing_class=tokenizer)
-    trainer.train()
-    logged = trainer.state.log_history[0]
-    assert torch.isfinite(torch.tensor(logged["loss"])) and "tokens_per_second" not in logged
-    with pytest.raises(ValueError, match=f"{name.upper()}Trainer under context parallelism"):
-        check_loss(trainer, 2)
-
-
-def test_a_reference_trl_loads_as_sparse_cp_takes_the_trained_models_pattern(tmp_path):
-    """Without a ref_model, TRL loads the reference from the model's folder with the trained model's
-    attn_implementation, `sparse_cp`, but not its pattern: the reference attended with the default one (dense at these
-    lengths, block 128), so DPO's first rewards were not 0 nor its loss log 2, and under CP its first forward failed on
-    a block size other than the shards'. It attends with the trained model's pattern."""
-    from trl import DPOConfig
-
-    from hf_sparse_cp import SparseAttentionConfig, sparse_arguments_class, sparse_trainer_class
-    from hf_sparse_cp.trainer.reference import attend_like_trained_model
-
-    tokenizer = byte_tokenizer()
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer))).save_pretrained(tmp_path / "m")
-    args = sparse_arguments_class(DPOConfig)(output_dir=str(tmp_path), **{**DPO, "max_steps": 1}, **PATTERN)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")  # (switched before TRL loads the reference)
-    trainer = sparse_trainer_class(trl.DPOTrainer)(model=model, args=args, processing_class=tokenizer,
-                                                   train_dataset=datasets.Dataset.from_dict(_pairs(2)))
-    assert trainer.ref_model.config._attn_implementation == "sparse_cp"  # (as TRL loaded it)
+    tokenizer = byte_tokenizer()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer), hidden_size=64,
+                                                         intermediate_size=128, head_dim=16))
+    settings = {key: DPO[key] for key in ("max_steps", "per_device_train_batch_size", "optim", "learning_rate",
+                                          "logging_steps", "report_to", "save_strategy", "bf16",
+                                          "gradient_checkpointing", "seed", "data_seed")}
+    args = sparse_arguments_class(config)(output_dir=output_dir, max_length=256, **settings, **PATTERN, **cp)
+    trainer = sparse_trainer_class(trainer_class)(
+        model=model, args=args, train_dataset=datasets.Dataset.from_dict(_pairs()),
+        eval_dataset=datasets.Dataset.from_dict(_pairs(3, seed=3)), processing_class=tokenizer)
     trainer.train()
-    logged = trainer.state.log_history[0]
-    assert logged["rewards/chosen"] == logged["rewards/rejected"] == 0 and logged["loss"] == pytest.approx(
-        torch.log(torch.tensor(2.0)).item())
-    assert (SparseAttentionConfig.stored_on(trainer.ref_model.config).to_dict()
-            == SparseAttentionConfig.stored_on(trainer.model.config).to_dict())
-    stored = trainer.ref_model.config.sparse_attention
-    attend_like_trained_model(trainer, args.plugin_arguments(), None)  # (once alike, left as it is)
-    assert trainer.ref_model.config.sparse_attention is stored
+    evaluation = trainer.evaluate()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    # (what a step measured, not computed: its speed, its memory)
+    measured = ("tokens_per_second", "peak_memory_gib", "eval_runtime", "eval_samples_per_second",
+                "eval_steps_per_second")
+    return {"logs": [{key: value for key, value in log.items() if key not in measured} for log in logs],
+            "eval": {key: value for key, value in evaluation.items() if key not in measured},
+            "weights": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}}
 
+
+@pytest.mark.parametrize("name", ["orpo", "cpo"])
+def test_orpo_and_cpo_under_cp2_equal_one_process(tmp_path, name):
+    """TRL's experimental ORPO and CPO trainers batch `chosen_input_ids` and `rejected_input_ids`, no `input_ids`: the
+    plugin's tokens/s count raised 'context-parallel inputs need `input_ids`' at the first step of a run without CP.
+    They train with sparse attention, and under CP 2 (where they were refused at start) as one process: their forward
+    passes input_ids positionally (sharded by the forward's parameter name), and its logits come back whole on every
+    rank, so TRL's odds-ratio (ORPO) or contrastive (CPO) loss, its NLL term, rewards and metrics of two steps and of an
+    evaluation, and the weights after two SGD steps are one process's."""
+    one = run_gloo(_train_odds, 1, str(tmp_path / "one"), name, {}, timeout_s=300)[0]
+    assert one["logs"][0]["loss"] != pytest.approx(one["logs"][1]["loss"])  # (it trained)
+    assert any(0 < log.get("sparse/kept_fraction", 1) < 1 for log in one["logs"])  # the sparse path ran
+    assert "nll_loss" in one["logs"][0] and "eval_rewards/margins" in one["eval"]
+    for rank in run_gloo(_train_odds, 2, str(tmp_path / "cp2"), name, {"cp_size": 2}, timeout_s=300):
+        for got, want in zip([*rank["logs"], rank["eval"]], [*one["logs"], one["eval"]], strict=True):
+            assert got.keys() == want.keys()
+            for key in want:
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-5), (key, got[key], want[key])
+        for param, want in one["weights"].items():
+            assert torch.allclose(rank["weights"][param], want, rtol=1e-5, atol=1e-6), param
 
 REWARD_LOGGED = ("loss", "grad_norm", "min_reward", "mean_reward", "max_reward", "accuracy", "margin", "num_tokens")
 

@@ -1153,6 +1153,8 @@ def test_a_launch_the_arguments_refuse_ends_a_launched_script_as_a_bad_flag(tmp_
     assert f"train.py: error: {message}" in err and "Traceback" not in err, err
 
 
+# (the template's parser reads ORPOConfig: imported beside GRPOTrainer)
+_GRPO = "\nfrom trl import GRPOTrainer\nfrom trl.experimental.orpo import ORPOConfig"
 TRL_SCRIPT = textwrap.dedent("""
     from trl import ModelConfig, TrlParser{imports}
 
@@ -1168,23 +1170,24 @@ TRL_SCRIPT = textwrap.dedent("""
     (["-m", "trl.scripts.grpo"], "GRPOTrainer"),
     (["-m", "trl.scripts.dpo"], None),  # (CP gathers its whole rows)
     (["-m", "trl.scripts.sft"], None),
-    # TRL's examples/scripts/orpo.py builds TRL's ORPOTrainer by name
+    # TRL's examples/scripts/orpo.py builds TRL's ORPOTrainer by name (CP gathers its whole rows' logits)
     ([("\nfrom trl.experimental.orpo import ORPOConfig, ORPOTrainer", "trainer = ORPOTrainer(model=None, args=args)")],
-     "ORPOTrainer"),
+     None),
+    # a script that builds TRL's GRPOTrainer by name
+    ([(_GRPO, "trainer = GRPOTrainer(model=None, args=args)")], "GRPOTrainer"),
     # what the source does not say for sure is left to the processes: a trainer of the script's own, one of two
-    ([("\nfrom trl.experimental.orpo import ORPOConfig, ORPOTrainer\nclass Mine(ORPOTrainer): pass",
-       "trainer = Mine(model=None, args=args)")], None),
-    ([("\nfrom trl import SFTTrainer\nfrom trl.experimental.orpo import ORPOConfig, ORPOTrainer",
-       "trainer = (ORPOTrainer if args.seed else SFTTrainer)(model=None, args=args)")], None),
-    ([("\nfrom trl import SFTTrainer\nfrom trl.experimental.orpo import ORPOConfig, ORPOTrainer",
-       "trainer = ORPOTrainer(model=None, args=args) if args.seed else SFTTrainer(model=None, args=args)")], None),
+    ([(f"{_GRPO}\nclass Mine(GRPOTrainer): pass", "trainer = Mine(model=None, args=args)")], None),
+    ([(f"{_GRPO}\nfrom trl import SFTTrainer", "trainer = (GRPOTrainer if args.seed else SFTTrainer)(model=None, "
+       "args=args)")], None),
+    ([(f"{_GRPO}\nfrom trl import SFTTrainer",
+       "trainer = GRPOTrainer(model=None, args=args) if args.seed else SFTTrainer(model=None, args=args)")], None),
 ])
 def test_a_trl_trainer_cp_does_not_reproduce_is_refused_before_the_processes_start(started, monkeypatch,
                                                                                    tmp_path, capsys,
                                                                                     script, refused):
-    """TRL's GRPO and ORPO trainers under CP were refused only once every process had built its Trainer,
+    """TRL's GRPO trainer under CP was refused only once every process had built its Trainer,
     after loading and tokenizing the data: the launcher reads which trainer the script builds from its source
-    (`-m trl.scripts.grpo`, a script that builds TRL's ORPOTrainer) and refuses with the same message before any
+    (`-m trl.scripts.grpo`, a script that builds TRL's GRPOTrainer) and refuses with the same message before any
     process starts; where the source does not say for sure, the processes refuse as before. Each process refuses it
     too as its flags parse (`launched`), for a launch that does not go through `hf-sparse-cp launch`."""
     pytest.importorskip("trl")
