@@ -100,17 +100,12 @@ class CheckpointMarkerCallback(TrainerCallback):
         return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
 
     def on_step_end(self, args, state, control, **kwargs):
-        if control.should_save:
-            self.mark_in_progress(args, state)
-
-    on_epoch_end = on_step_end  # where the flow callback decides an epoch-end save
-
-    def mark_in_progress(self, args, state) -> None:
-        """Mark the checkpoint of this step in progress, before it is saved."""
-        if args.should_save:  # (every node's first process with save_on_each_node)
+        if control.should_save and args.should_save:  # (every node's first process with save_on_each_node)
             folder = self._folder(args, state)
             folder.mkdir(parents=True, exist_ok=True)
             _write(folder / MARKER, {"complete": False, "step": state.global_step})
+
+    on_epoch_end = on_step_end  # where the flow callback decides an epoch-end save
 
     def on_save(self, args, state, control, **kwargs):
         self.trainer.accelerator.wait_for_everyone()  # every rank's files are written
@@ -128,31 +123,27 @@ class CheckpointMarkerCallback(TrainerCallback):
 
 class AgreedJitCheckpoint(TrainerCallback):
     """transformers' just-in-time checkpoint on SIGTERM (`--enable_jit_checkpoint`), saved by every rank at the same
-    step and marked as a scheduled save is.
+    step, as a scheduled save.
 
     transformers' handler requests the checkpoint from a timer thread, and each rank's `JITCheckpointCallback` takes
     it at whichever hook comes next there: on several processes one rank saves while another trains on (a CP ring,
     DDP's gradient reduction), each waiting in a different collective until the launcher kills them, which leaves a
     folder holding only transformers' `checkpoint-is-incomplete.txt`. Here the timer only notes the request; at each
-    step end the ranks gather whether any of them has one, and if so all save this step's checkpoint (in progress,
-    saved, `on_save`: complete) and stop training, as the JIT callback does."""
+    step end the ranks gather whether any of them has one, and if so all stop after saving this step's checkpoint
+    where the Trainer saves (after the step's log): marked in progress, then complete, as any other."""
 
-    def __init__(self, trainer: Trainer, manager: Any, marker: CheckpointMarkerCallback) -> None:
-        self.trainer, self.manager, self.marker, self.requested = trainer, manager, marker, False
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer, self.requested = trainer, False
 
     def request(self) -> None:
-        """Replaces the manager's `_enable_checkpoint`, which its SIGTERM timer calls."""
+        """Replaces the JIT checkpoint manager's `_enable_checkpoint`, which its SIGTERM timer calls."""
         self.requested = True
 
     def on_step_end(self, args, state, control, **kwargs):
         accelerator = self.trainer.accelerator  # (one flag gathered per step, only with --enable_jit_checkpoint)
-        if not bool(accelerator.gather(torch.tensor([self.requested], device=accelerator.device)).any()):
-            return
-        self.requested = False
-        control.should_save, control.should_training_stop = False, True  # (this checkpoint is the step's save)
-        self.marker.mark_in_progress(args, state)
-        self.manager.execute_jit_checkpoint()
-        self.trainer.callback_handler.on_save(args, state, control)
+        if bool(accelerator.gather(torch.tensor([self.requested], device=accelerator.device)).any()):
+            self.requested = False
+            control.should_save = control.should_training_stop = True
 
 
 def read_marker(folder: str | Path) -> dict[str, Any] | None:
@@ -407,8 +398,8 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
     marker = CheckpointMarkerCallback(trainer, parallel, cp_schedule)
     patches.insert(trainer.callback_handler, "callbacks", len(callbacks), marker)
     manager = next((c.jit_manager for c in callbacks if getattr(c, "jit_manager", None) is not None), None)
-    if manager is not None:  # (--enable_jit_checkpoint) before the marker, whose on_step_end then sees no save
-        agreed = AgreedJitCheckpoint(trainer, manager, marker)
+    if manager is not None:  # (--enable_jit_checkpoint) before the marker, whose on_step_end then sees the save
+        agreed = AgreedJitCheckpoint(trainer)
         patches.set_attr(manager, "_enable_checkpoint", agreed.request)
         patches.insert(trainer.callback_handler, "callbacks", callbacks.index(marker), agreed)
     train = trainer.train
