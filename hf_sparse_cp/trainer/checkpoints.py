@@ -141,7 +141,7 @@ class AgreedJitCheckpoint(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         accelerator = self.trainer.accelerator  # (one flag gathered per step, only with --enable_jit_checkpoint)
-        if bool(accelerator.gather(torch.tensor([self.requested], device=accelerator.device)).any()):
+        if bool(accelerator.gather(torch.tensor([int(self.requested)], device=accelerator.device)).any()):
             self.requested = False
             control.should_save = control.should_training_stop = True
 
