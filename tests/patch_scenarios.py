@@ -83,6 +83,21 @@ def attach() -> Iterator:
         detach_from_trainer(trainer)
 
 
+def jit_checkpoint() -> Iterator:
+    import signal
+
+    from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _sparse_trainer(tmp, enable_jit_checkpoint=True)
+        manager = next(c.jit_manager for c in trainer.callback_handler.callbacks if getattr(c, "jit_manager", None))
+        yield [(manager, "_enable_checkpoint")]
+        attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True))
+        yield
+        detach_from_trainer(trainer)
+        signal.signal(signal.SIGTERM, manager._original_sigterm_handler)  # (the Trainer's, until its train() ends)
+
+
 def resharded_loading() -> Iterator:
     from hf_sparse_cp.resharding.resume import resharded_loading as loading
 
@@ -272,6 +287,7 @@ ONE_PROCESS = {
     ("transformers.Trainer.train", "transformers.Trainer._save_optimizer_and_scheduler",
      "transformers.Trainer.training_step", "transformers.trainer_callback.CallbackHandler.callbacks",
      "accelerate.Accelerator.prepare_model"): attach,
+    ("transformers.trainer_jit_checkpoint.CheckpointManager._enable_checkpoint",): jit_checkpoint,
     ("transformers.Trainer._load_from_checkpoint", "transformers.Trainer._load_optimizer_and_scheduler"):
         resharded_loading,
     ("transformers.Trainer.optimizer_cls_and_kwargs",): smet,

@@ -181,6 +181,10 @@ PATCHES = (
           "(TrainingArguments' optim and its settings)", "uninstall_smet(trainer)", on_instances=True),
     Patch(_TRAINER, "is_fsdp_enabled", "sets", "--fsdp on CPU processes runs FSDP2, which the Trainer enables "
           "only where accelerate detected it", "disable_cpu_fsdp2(trainer)", on_instances=True),
+    Patch("transformers.trainer_jit_checkpoint.CheckpointManager", "_enable_checkpoint", "replaces", "the JIT "
+          "checkpoint's SIGTERM timer requests the save on each rank at its own moment, which deadlocks several "
+          "processes: the request is noted, and the ranks agree at a step end (`AgreedJitCheckpoint`)",
+          "detach_from_trainer(trainer)", ("self",)),
     Patch("transformers.trainer_callback.CallbackHandler", "callbacks", "inserts into", "the kept-fraction "
           "logging, the step metrics (tokens/s, peak memory) and the checkpoint marker are callbacks the Trainer "
           "did not get from the user",

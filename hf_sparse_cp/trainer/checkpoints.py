@@ -33,6 +33,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate.utils.constants import FSDP_MODEL_NAME
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
@@ -118,6 +119,31 @@ class CheckpointMarkerCallback(TrainerCallback):
                                      "settings": run_settings(self.trainer, self.parallel, self.cp_schedule),
                                      "files": files, "longest_trained": longest,
                                      "model_only": bool(args.save_only_model)})
+
+
+class AgreedJitCheckpoint(TrainerCallback):
+    """transformers' just-in-time checkpoint on SIGTERM (`--enable_jit_checkpoint`), saved by every rank at the same
+    step, as a scheduled save.
+
+    transformers' handler requests the checkpoint from a timer thread, and each rank's `JITCheckpointCallback` takes
+    it at whichever hook comes next there: on several processes one rank saves while another trains on (a CP ring,
+    DDP's gradient reduction), each waiting in a different collective until the launcher kills them, which leaves a
+    folder holding only transformers' `checkpoint-is-incomplete.txt`. Here the timer only notes the request; at each
+    step end the ranks gather whether any of them has one, and if so all stop after saving this step's checkpoint
+    where the Trainer saves (after the step's log): marked in progress, then complete, as any other."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer, self.requested = trainer, False
+
+    def request(self) -> None:
+        """Replaces the JIT checkpoint manager's `_enable_checkpoint`, which its SIGTERM timer calls."""
+        self.requested = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        accelerator = self.trainer.accelerator  # (one flag gathered per step, only with --enable_jit_checkpoint)
+        if bool(accelerator.gather(torch.tensor([int(self.requested)], device=accelerator.device)).any()):
+            self.requested = False
+            control.should_save = control.should_training_stop = True
 
 
 def read_marker(folder: str | Path) -> dict[str, Any] | None:
@@ -371,6 +397,11 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
     sharded_saving(trainer, patches)  # (its files are in the marker's list)
     marker = CheckpointMarkerCallback(trainer, parallel, cp_schedule)
     patches.insert(trainer.callback_handler, "callbacks", len(callbacks), marker)
+    manager = next((c.jit_manager for c in callbacks if getattr(c, "jit_manager", None) is not None), None)
+    if manager is not None:  # (--enable_jit_checkpoint) before the marker, whose on_step_end then sees the save
+        agreed = AgreedJitCheckpoint(trainer)
+        patches.set_attr(manager, "_enable_checkpoint", agreed.request)
+        patches.insert(trainer.callback_handler, "callbacks", callbacks.index(marker), agreed)
     train = trainer.train
 
     @functools.wraps(train)

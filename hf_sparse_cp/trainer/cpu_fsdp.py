@@ -73,8 +73,10 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
 def check_cpu_fsdp_version(args: TrainingArguments, env: Mapping[str, str] = os.environ) -> None:
     """Raise ValueError, naming the fix, when `args` (their `--fsdp`, else accelerate launch's FSDP variables in
     `env`) ask for FSDP version 1 on CPU processes: accelerate's FSDP1 plugin finds no device there (and FSDP1 refuses
-    a CPU one), which each process met only as its Trainer built the accelerator, after the data; or for CPU offload,
-    whose pinned memory needs an accelerator. Call it on a machine without accelerator."""
+    a CPU one), which each process met only as its Trainer built the accelerator, after the data; for CPU offload,
+    whose pinned memory needs an accelerator; or with what the Trainer refuses under FSDP
+    (`--activation_checkpointing` beside FSDP's own, `--save_only_model` with `--load_best_model_at_end`). Call it on a
+    machine without accelerator."""
     if args.fsdp_plugin_args is not None:
         version, where = args.fsdp_plugin_args["fsdp_version"], "--fsdp_config's version"
         fix = "--fsdp_config '{\"fsdp_version\": 2}'"
@@ -99,6 +101,19 @@ def check_cpu_fsdp_version(args: TrainingArguments, env: Mapping[str, str] = os.
     if offload:
         raise ValueError("FSDP's CPU offload pins the parameters in host memory for an accelerator, and this machine "
                          f"has none (the parameters already live in CPU memory): {drop}.")
+    # The Trainer refuses these pairs as it builds its accelerator, where FSDP runs; on CPU processes FSDP2 starts after
+    # that (`enable_cpu_fsdp2`): a run trained with both checkpointings on, and one with the second pair trained to
+    # its end, then failed reloading the best checkpoint's FSDP state
+    own_checkpointing = (args.fsdp_plugin_args.get("activation_checkpointing") if args.fsdp_plugin_args is not None
+                         else str_to_bool(env.get("FSDP_ACTIVATION_CHECKPOINTING", "false")))
+    if own_checkpointing and getattr(args, "activation_checkpointing", False):  # (transformers >= 5.2x: attach.py)
+        raise ValueError("--activation_checkpointing and FSDP's own activation checkpointing (activation_checkpointing "
+                         "in the FSDP config) cannot both be on: drop --activation_checkpointing (FSDP's own avoids "
+                         "the extra AllGather in the backward pass that the Trainer's adds).")
+    if args.save_only_model and args.load_best_model_at_end:
+        raise ValueError("--load_best_model_at_end under FSDP reloads the best checkpoint's FSDP state "
+                         "(pytorch_model_fsdp.bin), which --save_only_model does not save: drop --save_only_model or "
+                         "--load_best_model_at_end.")
 
 
 def disable_cpu_fsdp2(trainer: Trainer) -> None:

@@ -145,6 +145,42 @@ def test_fsdp1_in_a_process_without_accelerator_is_refused_as_its_flags_parse(tm
     parse("--fsdp", "full_shard auto_wrap")  # (transformers' default: FSDP2)
 
 
+@pytest.mark.parametrize("flags, variable, message", [
+    # the run trained to its end, then failed: 'No such file or directory: .../checkpoint-4/pytorch_model_fsdp.bin'
+    # (its best checkpoint's FSDP state, which --save_only_model does not save)
+    (("--eval_strategy", "steps", "--save_strategy", "steps", "--save_only_model", "true", "--load_best_model_at_end",
+      "true"), None, r"^--load_best_model_at_end under FSDP reloads the best checkpoint's FSDP state "
+     r"\(pytorch_model_fsdp.bin\), which --save_only_model does not save: drop --save_only_model or "
+     r"--load_best_model_at_end\.$"),
+    # the run trained with both on
+    (("--activation_checkpointing", "true"), ("FSDP_ACTIVATION_CHECKPOINTING", "true"),
+     r"^--activation_checkpointing and FSDP's own activation checkpointing \(activation_checkpointing in the FSDP "
+     r"config\) cannot both be on: drop --activation_checkpointing"),
+], ids=["save_only_model-load_best", "two-checkpointings"])
+def test_what_the_trainer_refuses_under_fsdp_is_refused_without_accelerator_as_the_flags_parse(
+        tmp_path, monkeypatch, flags, variable, message):
+    """The Trainer refuses these under FSDP as it builds its accelerator; on CPU processes FSDP2 starts after that
+    (`enable_cpu_fsdp2`), so they passed: from --fsdp and from an accelerate config's variables."""
+    monkeypatch.setattr(sparse_trainer, "_has_accelerator", lambda: False)
+
+    def parse(*more):
+        with parsing_for_launch():
+            return HfArgumentParser(SparseTrainingArguments).parse_args_into_dataclasses(
+                ["--output_dir", str(tmp_path), "--report_to", "none", *flags, *more])
+
+    fsdp_config = {"version": 2, **({"activation_checkpointing": True} if variable else {})}
+    with pytest.raises(ValueError, match=message) as refused:
+        parse("--fsdp", "full_shard", "--fsdp_config", json.dumps(fsdp_config))
+    assert is_flag_error(refused.value)
+    parse()  # (without FSDP the Trainer reloads model.safetensors, checkpoints once)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # `accelerate launch` of an FSDP2 config
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    if variable:
+        monkeypatch.setenv(*variable)
+    with pytest.raises(ValueError, match=message):
+        parse()
+
+
 def test_fsdp_cpu_offload_in_a_process_without_accelerator_is_refused_as_its_flags_parse(tmp_path, monkeypatch):
     """`--fsdp "full_shard auto_wrap offload"` (or an accelerate config's fsdp_offload_params) on CPU processes passed
     the flags and failed in `train()` as FSDP2 sharded the model, after the data: 'Cannot access accelerator device
