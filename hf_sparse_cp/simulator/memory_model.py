@@ -33,7 +33,7 @@ from ..config import SparseAttentionConfig
 from ..distributed.heads.split import HeadSplit
 from ..memory.savers import MemorySavers
 from .kept_curve import DEFAULT_CURVE, KeptCurve
-from .shapes import MODELS, ModelShape
+from .shapes import MODELS, ModelShape, check_decoder, meta_model
 
 GIB = 2**30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -54,12 +54,15 @@ TERMS = (
 
 @dataclass(frozen=True)
 class Architecture:
-    """A decoder's shape as its memory depends on it: `ModelShape` (layers, hidden, heads, ...) plus
-    whether the LM head shares the embedding and whether q/k/v have biases (Qwen2: yes)."""
+    """A decoder's shape as its memory depends on it: `ModelShape` (layers, hidden, heads, the MLP's form, ...) plus
+    whether the LM head shares the embedding, and the parameters beside the shape's matrices: a layer's
+    (`layer_extra`: biases, norm weights) and the model's outside its layers (`model_extra`: the final norm,
+    position embeddings, an LM head's bias)."""
 
     shape: ModelShape
     tied_embeddings: bool
-    qkv_bias: bool
+    layer_extra: int
+    model_extra: int
 
     @property
     def name(self) -> str:
@@ -67,10 +70,8 @@ class Architecture:
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one decoder layer: projections, biases, two RMSNorm weights."""
-        s = self.shape
-        q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-        return s.layer_params + (q + 2 * kv if self.qkv_bias else 0) + 2 * s.hidden
+        """Parameters of one decoder layer: its matrices, biases and norm weights."""
+        return self.shape.layer_params + self.layer_extra
 
     @property
     def embedding_params(self) -> int:
@@ -78,24 +79,56 @@ class Architecture:
 
     @property
     def params(self) -> int:
-        """Every parameter: embedding (and an untied LM head), the layers, the final norm."""
+        """Every parameter: embedding (and an untied LM head), the layers, the rest (final norm, ...)."""
         heads = 1 if self.tied_embeddings else 2
-        return heads * self.embedding_params + self.shape.layers * self.layer_params + self.shape.hidden
+        return heads * self.embedding_params + self.shape.layers * self.layer_params + self.model_extra
 
     @classmethod
     def from_config(cls, config, name: str | None = None, where: str | None = None) -> Architecture:
-        """From a transformers config of a decoder (`ModelShape.from_config`, which names a missing field), with
-        its tied LM head and q/k/v biases (`attention_bias`; Qwen2 has them without the field)."""
-        bias = bool(getattr(config, "attention_bias", config.model_type == "qwen2"))
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        return cls(ModelShape.from_config(config, name, where), tied, bias)
+        """From a transformers config of a decoder (`ModelShape.from_config`, which names a missing field), its
+        parameters counted on the model transformers builds from it on the meta device: whether the LM head is the
+        embedding, the layers' and the rest's parameters (biases, LayerNorms' or RMSNorms' weights, position
+        embeddings, an LM head's bias).
+
+        Raises:
+            ValueError: `ModelShape.from_config`'s, or a model whose layers or embedding are not of the shape's sizes
+                (attention of another form): the message names them and the fix, after `where`.
+        """
+        from ..integration.memory_savers import decoder_layers
+
+        where = where or name or getattr(config, "model_type", "the config")
+        check_decoder(config, where)  # (before the build, whose own errors would name less)
+        model = meta_model(config, where)
+        shape = ModelShape.from_config(config, name, where, model)
+        layers = decoder_layers(model)
+        matrices = {sum(p.numel() for p in layer.parameters() if p.dim() == 2) for layer in layers}
+        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if len(layers) != shape.layers or matrices != {shape.layer_params} \
+                or embedding.weight.shape != (shape.vocab, shape.hidden):
+            raise ValueError(f"{where}: the model's {len(layers)} decoder layers hold {sorted(matrices)} matrix "
+                             f"weights each and its embedding {tuple(embedding.weight.shape)}, not the shape's "
+                             f"{shape.layers} of {shape.layer_params} and ({shape.vocab}, {shape.hidden}) that its "
+                             "fields give (num_key_value_heads, head_dim, the MLP's width: one the model does not "
+                             "read, or attention of another form, e.g. latent); give the fields of the model's own "
+                             "config.json, or a preset (--model).")
+        tied = head is not None and head.weight is embedding.weight
+        layer = sum(p.numel() for p in layers[0].parameters())
+        total = sum(p.numel() for p in model.parameters())
+        rest = total - shape.layers * layer - (1 if tied else 2) * shape.vocab * shape.hidden
+        return cls(shape, tied, layer - shape.layer_params, rest)
+
+
+def _qwen_like(shape: ModelShape, tied_embeddings: bool, qkv_bias: bool) -> Architecture:
+    """A Qwen2/Llama layout: RMSNorm weights before attention and the MLP and at the end, q/k/v biases or none."""
+    bias = (shape.heads + 2 * shape.kv_heads) * shape.head_dim if qkv_bias else 0
+    return Architecture(shape, tied_embeddings, bias + 2 * shape.hidden, shape.hidden)
 
 
 # The size presets `--model` names, the simulator's (`shapes.MODELS`): Qwen2.5 (config.json on the Hugging Face Hub),
 # q/k/v biases, 0.5B, 1.5B and 3B tying the LM head to the embedding; Qwen3-8B without biases or tying (its q/k
 # RMSNorm weights, 2 x head_dim a layer, are left out: 9K of 8.2B parameters).
-PRESETS = {name: Architecture(MODELS[name], tied_embeddings=name not in ("qwen2.5-7b", "qwen3-8b"),
-                              qkv_bias=name.startswith("qwen2.5")) for name in MODELS}
+PRESETS = {name: _qwen_like(MODELS[name], tied_embeddings=name not in ("qwen2.5-7b", "qwen3-8b"),
+                            qkv_bias=name.startswith("qwen2.5")) for name in MODELS}
 
 
 @dataclass(frozen=True)
@@ -484,14 +517,23 @@ class _Step:
         return []
 
     def mlp(self, grad: bool) -> list[int]:
-        """SwiGLU: gate, act(gate), up, act * up ([T, I] each); saved: all four. Tiled: one tile's."""
-        tape, a, i = self.tape, self.a, self.i
+        """Gated (SwiGLU): gate, act(gate), up, act * up ([T, I] each); two matrices: fc1's output, act of it. Saved:
+        what the activation keeps (SiLU, GELU: its input; a ReLU's input is freed: its output) and its output, and a
+        gated MLP's up and product. Tiled: one tile's."""
+        tape, a, i, sh = self.tape, self.a, self.i, self.arch.shape
         if self.s.savers.tiled:
-            tape.transient("MLP intermediate", *self.tiles(4 * a * i))
+            tape.transient("MLP intermediate", *self.tiles(sh.mlp_saved * a * i))
             return []
-        g, act = tape.alloc("MLP intermediate", per_token=a * i), tape.alloc("MLP intermediate", per_token=a * i)
+        g = tape.alloc("MLP intermediate", per_token=a * i * (sh.activation_saved - 1 if grad else 1))
+        act = tape.alloc("MLP intermediate", per_token=a * i)
         if not grad:
             tape.free(g)
+        if not sh.gated:
+            if grad:
+                return [g, act]
+            tape.transient("attention tensors", per_token=a * self.h)  # fc2's output
+            tape.free(act)
+            return []
         up, m = tape.alloc("MLP intermediate", per_token=a * i), tape.alloc("MLP intermediate", per_token=a * i)
         if grad:
             return [g, act, up, m]
@@ -547,11 +589,20 @@ class _Step:
         """Backward through a recomputed layer, freeing each module's saved tensors after its backward;
         returns the gradient of the layer's input."""
         tape, a, h, i, q, kv, hq = self.tape, self.a, self.h, self.i, self.q_att, self.kv_att, self.hq_att
+        sh = self.arch.shape
         if self.s.savers.tiled:  # fp32 weight-gradient sums; per tile: the recomputed intermediates and theirs
-            sums = tape.alloc("MLP intermediate", const=3 * h * i * 4)
+            sums = tape.alloc("MLP intermediate", const=sh.mlp_matrices * h * i * 4)
             g_n2 = tape.alloc("hidden-state gradients", per_token=a * h)
-            tape.transient("MLP intermediate", *self.tiles(4 * a * i + 3 * a * i))
+            tape.transient("MLP intermediate", *self.tiles((sh.mlp_saved + sh.mlp_matrices) * a * i))
             tape.free(sums)
+        elif not sh.gated:
+            p, act = saved["mlp"]
+            g_act = tape.alloc("MLP intermediate", per_token=a * i)  # fc2 backward
+            tape.free(act)
+            g_p = tape.alloc("MLP intermediate", per_token=a * i)  # the activation's backward
+            tape.free(g_act, p)
+            g_n2 = tape.alloc("hidden-state gradients", per_token=a * h)  # fc1 backward
+            tape.free(g_p)
         else:
             g, act, up, m = saved["mlp"]
             gm = tape.alloc("MLP intermediate", per_token=a * i)  # down_proj backward
