@@ -323,14 +323,16 @@ def layout_construction_bytes(heads: int, query_blocks: int, block_width: int, c
 
 
 def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, tokens: int, heads: int,
-                        ring: bool) -> _AttentionGeometry:
+                        ring: bool, window: int | None = None) -> _AttentionGeometry:
     """Layout widths from the pattern's budgets: a kept diagonal offset crosses at most two block
     diagonals, plus the local window's and the sink's; columns: the vertical budget and the sinks. `tokens` and
-    `heads`: the queries and heads of one attention call on this rank; `ring`: the call runs a ring."""
+    `heads`: the queries and heads of one attention call on this rank; `ring`: the call runs a ring; `window`: the
+    layer's sliding window (such a layer runs dense, unestimated, over the blocks of its window:
+    `estimate.pattern_documents`, `build.dense_layout`)."""
     cfg, sh = s.pattern, arch.shape
     bs, hq = cfg.block_size, heads
     nqb_global, nqb = math.ceil(seq_len / bs), math.ceil(tokens / bs)
-    sparse = cfg.pattern != "dense" and seq_len >= cfg.min_seq_len
+    sparse = _sparse(s, seq_len, window)
     if sparse:
         window = math.ceil((cfg.local_window - 1) / bs) + 1
         diagonals = cfg.budget.most_diagonal_blocks(bs)
@@ -346,9 +348,12 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
             basis = f"{nqb_global} blocks: every block of the row (the bound" + (
                 "; the kept-fraction curve measured another pattern)" if s.kept_curve is not None else ")")
         cols = cfg.budget.most_kept("columns") + cfg.sink_tokens
-    else:
+    elif window is None:
         width, cols = nqb_global, 0  # every causal block, on one shared head
         hq, basis = 1, "dense: every causal block"
+    else:  # the blocks a query block's window reaches (its first query's reaches furthest back), on one shared head
+        width, cols = min(nqb_global, math.ceil((window - 1) / bs) + 1), 0
+        hq, basis = 1, f"{width} blocks: a sliding window of {window} tokens"
     # block_idx and col_idx (int32) and two counts per (head, query block); the Triton path adds its
     # full/partial split (an int32 copy of block_idx, a flag per slot) and backward's per-key-block list
     per_block = hq * (4 * width + 4 * cols + 8) + (hq * width * 9 if s.device == "cuda" else 0)
@@ -394,6 +399,11 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
     return _AttentionGeometry(per_block / bs, construction, estimation, forward, backward, basis)
 
 
+def _sparse(s: StepSettings, seq_len: int, window: int | None) -> bool:
+    """Whether a layer of sliding window `window` (None: global) estimates a sparse pattern at `seq_len`."""
+    return s.pattern.pattern != "dense" and seq_len >= s.pattern.min_seq_len and window is None
+
+
 def rank_tokens(seq_len: int, s: StepSettings) -> int:
     """The tokens of the busiest rank: the sequence itself on one rank, a block sharding's equal share of its
     blocks, or the document planner's token cap (`max_token_ratio`)."""
@@ -421,7 +431,10 @@ class _Step:
         # RMSNorm computes in fp32: a copy of its input unless that is fp32 already
         self.norm32 = 4 * self.h if self.a < 4 else 0
         self.offload = s.savers.offload_layer_inputs and s.gradient_checkpointing and s.device == "cuda"
-        self.sparse = s.pattern.pattern != "dense" and seq_len >= s.pattern.min_seq_len
+        # each layer's sliding window (None: global); the tape's current layer's is `window`
+        self.windows = sh.windows or (None,) * sh.layers
+        self.window = self.windows[0]
+        self.seq_len = seq_len
         # The attention call: with head groups (the CP mode's head_size) on the head split, over head_size pieces
         # of the sequence for the busiest rank's share of the heads (K/V expanded or replicated as `HeadSplit`
         # gives them); without, on this rank's shard for every head. Its per-token sizes below are per token of
@@ -431,10 +444,27 @@ class _Step:
         heads, kv_heads = split.busiest, split.busiest_kv
         self.q_att, self.kv_att = heads * sh.head_dim * s.head_size, kv_heads * sh.head_dim * s.head_size
         self.hq_att = heads * s.head_size
-        g = _attention_geometry(arch, s, seq_len, self.t * s.head_size, heads, self.ring)
-        self.geometry = replace(g, layout_per_token=g.layout_per_token * s.head_size,
-                                construction=(g.construction[0] * s.head_size, g.construction[1]),
-                                estimation=(g.estimation[0] * s.head_size, g.estimation[1]))
+        self.geometries = {}
+        for window in set(self.windows):
+            g = _attention_geometry(arch, s, seq_len, self.t * s.head_size, heads, self.ring, window)
+            self.geometries[window] = replace(g, layout_per_token=g.layout_per_token * s.head_size,
+                                              construction=(g.construction[0] * s.head_size, g.construction[1]),
+                                              estimation=(g.estimation[0] * s.head_size, g.estimation[1]))
+
+    @property
+    def geometry(self) -> _AttentionGeometry:
+        """The attention of the tape's current layer (`window`)."""
+        return self.geometries[self.window]
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the current layer estimates a sparse pattern."""
+        return _sparse(self.s, self.seq_len, self.window)
+
+    @property
+    def width(self) -> str:
+        """Where the widest layout's width comes from: a global layer's, else a sliding window's."""
+        return self.geometries[None if None in self.geometries else max(self.geometries)].width
 
     def tiles(self, per_token: float) -> tuple[float, float]:
         """(per-token, constant) bytes of a transient of the tiled modules: one tile's with tiles on."""
@@ -674,7 +704,8 @@ class _Step:
         casts = tape.alloc("autocast weight copies", const=n_layers * arch.layer_params * a) if s.master_weights \
             else None
         floor = [tape.alloc("saved layer inputs", per_token=0 if self.offload else a * h)]  # the embedding
-        for _ in range(n_layers):
+        for window in self.windows:
+            self.window = window
             floor.append(self.layer_forward())
         last = floor.pop()  # the final norm's input (saved by the norm, not by a checkpoint)
         tape.live[last] = ("hidden-state gradients", a * h, 0.0)
@@ -695,6 +726,7 @@ class _Step:
         grad = tape.alloc("hidden-state gradients", per_token=a * h)
         tape.free(grad_hidden)
         for layer in reversed(range(n_layers)):
+            self.window = self.windows[layer]
             copied = tape.alloc("saved layer inputs", per_token=a * h) if self.offload else None
             cast = tape.alloc("autocast weight copies", const=arch.layer_params * a) if s.master_weights else None
             saved = self.layer_recompute()
@@ -726,7 +758,7 @@ def predict_step_memory(arch: Architecture, seq_len: int, settings: StepSettings
         raise ValueError(f"seq_len={seq_len} must be >= 1.")
     s = settings or StepSettings()
     step = _Step(arch, seq_len, s)
-    return MemoryEstimate(arch.name, seq_len, step.t, s, step.run(), step.geometry.width)
+    return MemoryEstimate(arch.name, seq_len, step.t, s, step.run(), step.width)
 
 
 def _loss(tape: _Tape, arch: Architecture, s: StepSettings, t: int, a: int, w: int) -> list[int]:
@@ -784,12 +816,14 @@ def _optimizer_temporaries(arch: Architecture, s: StepSettings) -> float:
 # ------------------------------------------------------------------------------------------- questions
 
 
-def recomputed_layer_bytes(arch: Architecture, seq_len: int, settings: StepSettings | None = None) -> dict[str, float]:
-    """Bytes one decoder layer saves for its backward when the checkpoint recomputes it, by the module
+def recomputed_layer_bytes(arch: Architecture, seq_len: int, settings: StepSettings | None = None,
+                           layer: int = 0) -> dict[str, float]:
+    """Bytes decoder layer `layer` saves for its backward when the checkpoint recomputes it, by the module
     whose backward reads them ('norm1', 'attention', 'norm2', 'mlp'); the attention's layout (saved with
     them: `SparseLayout.take_apart`) apart, as 'layout'. The layer's input is not counted (the checkpoint
     holds it: 'saved layer inputs')."""
     step = _Step(arch, seq_len, settings or StepSettings())
+    step.window = step.windows[layer]
     groups = step.layer_recompute()
     out = {name: 0.0 for name in groups}
     out["layout"] = 0.0

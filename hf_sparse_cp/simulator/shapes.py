@@ -112,6 +112,33 @@ def check_decoder_sizes(where: str, sizes: dict[str, Any]) -> None:
                          "model's own config.json, or a preset (--model).")
 
 
+def layer_windows(config: Any, where: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: global attention) as the attention backend receives it: the layers that
+    `layer_types` names 'sliding_attention' (Gemma 3, Cohere 2, Qwen2's `use_sliding_window` from
+    `max_window_layers` on) attend within `sliding_window`; without `layer_types`, a `sliding_window` is every
+    layer's (Mistral's, StarCoder2's and Phi-3's attention pass it to every call); () where no layer has one.
+
+    Raises:
+        ValueError: a layer type other than those two (e.g. Llama 4's 'chunked_attention'), `layer_types` of
+            another length than the layers, or no positive whole `sliding_window` for sliding layers; the message
+            names the field and the fix, after `where`.
+    """
+    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if types is None:
+        types = [] if window is None else ["sliding_attention"] * config.num_hidden_layers
+    unknown = sorted({kind for kind in types if kind not in ("full_attention", "sliding_attention")})
+    if unknown or len(types) not in (0, config.num_hidden_layers):
+        raise ValueError(f"{where}: layer_types {list(types)} (of {len(types)} layers) names "
+                         f"{unknown or 'another count of layers'}: the predictions model 'full_attention' and "
+                         f"'sliding_attention' layers, one for each of the {config.num_hidden_layers} layers; give "
+                         "the model's own config.json, or a preset (--model).")
+    if "sliding_attention" in types and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"{where}: sliding_window={window!r} for sliding-window layers; give the window in tokens (a "
+                         "whole number >= 1), or a preset (--model).")
+    windows = tuple(window if kind == "sliding_attention" else None for kind in types)
+    return windows if any(w is not None for w in windows) else ()
+
+
 def check_decoder(config: Any, where: str) -> tuple[int, int, int]:
     """(heads, key/value heads, head_dim) of a decoder's transformers config, after `ModelShape.from_config`'s checks
     of its fields (run before a model is built from it, whose own errors would name less).
@@ -149,8 +176,9 @@ def check_decoder(config: Any, where: str) -> tuple[int, int, int]:
 @dataclass(frozen=True)
 class ModelShape:
     """A decoder's shape (Qwen2Config fields), with its MLP's form: gated (SwiGLU, GeGLU: gate, up and down
-    projections) or two matrices (fc1, fc2), and how many [tokens, intermediate] tensors its activation keeps for
-    backward (`activation_saved`; SiLU: its input and output)."""
+    projections) or two matrices (fc1, fc2), how many [tokens, intermediate] tensors its activation keeps for
+    backward (`activation_saved`; SiLU: its input and output), and which layers attend within a sliding window
+    (`windows`, `layer_windows`)."""
 
     name: str
     layers: int
@@ -163,6 +191,7 @@ class ModelShape:
     source: str = ""
     gated: bool = True
     activation_saved: float = 2.0
+    windows: tuple[int | None, ...] = ()  # each layer's sliding window, None: global; (): every layer global
 
     @property
     def mlp_matrices(self) -> int:
@@ -208,10 +237,11 @@ class ModelShape:
         """
         where = where or name or getattr(config, "model_type", "the config")
         heads, kv_heads, head_dim = check_decoder(config, where)
+        windows = layer_windows(config, where)
         gated, activation = mlp_form(model if model is not None else meta_model(config, where), config, where)
         return cls(name or config.model_type, config.num_hidden_layers, config.hidden_size, heads, kv_heads,
                    head_dim, intermediate_width(config),
-                   config.vocab_size, f"config.json of model_type {config.model_type!r}", gated, activation)
+                   config.vocab_size, f"config.json of model_type {config.model_type!r}", gated, activation, windows)
 
     def linear_flops(self, *, recompute: bool) -> tuple[float, float]:
         """(per token per layer, per token for the LM head) of one training step: 2 FLOPs per weight

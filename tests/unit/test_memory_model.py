@@ -26,6 +26,7 @@ from hf_sparse_cp.simulator.memory_model import (
     recomputed_layer_bytes,
     with_savers,
 )
+from hf_sparse_cp.simulator.shapes import ModelShape
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 # A small Llama-shaped config.json's fields.
@@ -61,10 +62,14 @@ def _saved_bytes(layer, x, position_embeddings) -> tuple[int, int]:
     return tuple(sum(n for n, is_layout in seen.values() if is_layout == part) for part in (False, True))
 
 
-@pytest.mark.parametrize("tiled", [False, True], ids=["stock", "tiled"])
-def test_a_recomputed_layer_saves_what_the_model_counts(tiled):
+@pytest.mark.parametrize("tiled, window", [(False, None), (True, None), (False, 128)],
+                         ids=["stock", "tiled", "sliding"])
+def test_a_recomputed_layer_saves_what_the_model_counts(tiled, window):
+    """The tensors a layer saves, and its layout within the model's bound; a sliding-window layer (issue #50: sized as
+    a global one) runs dense over the blocks of its window, unestimated."""
     hf_sparse_cp.patch()
-    config = tiny_config("qwen2", vocab_size=300, intermediate_size=352)
+    sliding = dict(use_sliding_window=True, max_window_layers=0, sliding_window=window) if window else {}
+    config = tiny_config("qwen2", vocab_size=300, intermediate_size=352, **sliding)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sparse_cp", dtype=torch.bfloat16)
     configure(model, PATTERN)
@@ -83,6 +88,11 @@ def test_a_recomputed_layer_saves_what_the_model_counts(tiled):
     assert predicted["mlp"] == (0 if tiled else 4 * s * config.intermediate_size * 2)
     assert measured == sum(v for k, v in predicted.items() if k != "layout")
     assert 0 < layout <= predicted["layout"]  # the model sizes it at the budget's bound
+    if window:  # (its window's 3 blocks of 64 on one shared head, not the budget's bound on every head)
+        assert arch.shape.windows == (window,) * config.num_hidden_layers
+        assert layout == predicted["layout"] < recomputed_layer_bytes(
+            dataclasses.replace(arch, shape=dataclasses.replace(arch.shape, windows=())), s,
+            StepSettings(device="cpu", pattern=PATTERN))["layout"]
 
 
 # Decoders of both MLP forms (gated: gate, up, down; two matrices: fc1, fc2) and several activations, tiny. GPT-NeoX's
@@ -162,6 +172,33 @@ def test_a_config_whose_mlp_or_layers_the_model_cannot_read_is_refused(fields, m
     with pytest.raises(SystemExit):
         cli_main(["memory", "--config", str(path), "--quiet"])
     assert message in capsys.readouterr().err
+
+
+def test_sliding_window_layers_are_read_from_the_config_and_other_layer_types_refused():
+    """Issue #50: every layer was sized as a global one. Gemma 3 270M's `layer_types`: 15 sliding layers of 512
+    tokens, 3 global (5, 11, 17), whose layouts set the peak; Mistral's `sliding_window` is every layer's (its
+    attention passes it to every call): no estimation, and layouts of the window's blocks. A layer type the model
+    does not know (Llama 4's chunked attention), or sliding layers without a window, are refused naming the field."""
+    from transformers import AutoConfig, LlamaConfig, MistralConfig
+
+    gemma = Architecture.from_config(AutoConfig.for_model(
+        "gemma3_text", num_hidden_layers=18, hidden_size=640, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256, intermediate_size=2048, vocab_size=262144, sliding_window=512))
+    assert [i for i, w in enumerate(gemma.shape.windows) if w is None] == [5, 11, 17]
+    assert set(gemma.shape.windows) == {None, 512}
+    fields = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=512, vocab_size=1000)
+    n, settings = 1 << 17, StepSettings(pattern=PATTERN)
+    sliding, unwindowed = (Architecture.from_config(MistralConfig(**fields, sliding_window=w)) for w in (1024, None))
+    assert sliding.shape.windows == (1024,) * 4 and unwindowed.shape.windows == ()
+    layouts = [recomputed_layer_bytes(arch, n, settings)["layout"] for arch in (sliding, unwindowed)]
+    assert layouts[0] < layouts[1]
+    peaks = [predict_step_memory(arch, n, settings) for arch in (sliding, unwindowed)]
+    assert peaks[0].peak_bytes < peaks[1].peak_bytes and "a sliding window of 1024 tokens" in peaks[0].layout_width
+    with pytest.raises(ValueError, match=r"layer_types .* names \['chunked_attention'\]"):
+        ModelShape.from_config(LlamaConfig(**fields, layer_types=["full_attention", "chunked_attention"] * 2))
+    with pytest.raises(ValueError, match="sliding_window=None for sliding-window layers"):
+        ModelShape.from_config(LlamaConfig(**fields, layer_types=["sliding_attention"] * 4))
 
 
 def test_the_memory_command_reads_two_matrix_and_gpt2_style_configs(tmp_path, capsys):
