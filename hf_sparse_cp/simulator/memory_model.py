@@ -91,8 +91,7 @@ class Architecture:
         embeddings, an LM head's bias).
 
         Raises:
-            ValueError: `ModelShape.from_config`'s, or a model whose layers or embedding are not of the shape's sizes
-                (attention of another form): the message names them and the fix, after `where`.
+            ValueError: `ModelShape.from_config`'s (naming the field and the fix, after `where`).
         """
         from ..integration.memory_savers import decoder_layers
 
@@ -101,16 +100,7 @@ class Architecture:
         model = meta_model(config, where)
         shape = ModelShape.from_config(config, name, where, model)
         layers = decoder_layers(model)
-        matrices = {sum(p.numel() for p in layer.parameters() if p.dim() == 2) for layer in layers}
         embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-        if len(layers) != shape.layers or matrices != {shape.layer_params} \
-                or embedding.weight.shape != (shape.vocab, shape.hidden):
-            raise ValueError(f"{where}: the model's {len(layers)} decoder layers hold {sorted(matrices)} matrix "
-                             f"weights each and its embedding {tuple(embedding.weight.shape)}, not the shape's "
-                             f"{shape.layers} of {shape.layer_params} and ({shape.vocab}, {shape.hidden}) that its "
-                             "fields give (num_key_value_heads, head_dim, the MLP's width: one the model does not "
-                             "read, or attention of another form, e.g. latent); give the fields of the model's own "
-                             "config.json, or a preset (--model).")
         tied = head is not None and head.weight is embedding.weight
         layer = sum(p.numel() for p in layers[0].parameters())
         total = sum(p.numel() for p in model.parameters())

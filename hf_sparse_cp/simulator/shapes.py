@@ -231,17 +231,38 @@ class ModelShape:
 
         Raises:
             ValueError: a field the predictions need is missing, the heads do not divide the hidden size (or the
-                key/value heads the query heads), the model routes its tokens to experts, or its MLP is of neither
-                form; the message names the field and the fix, after `where` (default: the name or model type; a
-                command's flag and file).
+                key/value heads the query heads), the model routes its tokens to experts, its MLP is of neither
+                form, its layers are of other sizes (`check_matrices`) or of another kind (`layer_windows`); the
+                message names the field and the fix, after `where` (default: the name or model type; a command's
+                flag and file).
         """
         where = where or name or getattr(config, "model_type", "the config")
         heads, kv_heads, head_dim = check_decoder(config, where)
         windows = layer_windows(config, where)
-        gated, activation = mlp_form(model if model is not None else meta_model(config, where), config, where)
-        return cls(name or config.model_type, config.num_hidden_layers, config.hidden_size, heads, kv_heads,
-                   head_dim, intermediate_width(config),
-                   config.vocab_size, f"config.json of model_type {config.model_type!r}", gated, activation, windows)
+        model = model if model is not None else meta_model(config, where)
+        gated, activation = mlp_form(model, config, where)
+        shape = cls(name or config.model_type, config.num_hidden_layers, config.hidden_size, heads, kv_heads,
+                    head_dim, intermediate_width(config),
+                    config.vocab_size, f"config.json of model_type {config.model_type!r}", gated, activation, windows)
+        shape.check_matrices(model, where)
+        return shape
+
+    def check_matrices(self, model: torch.nn.Module, where: str) -> None:
+        """Refuse (ValueError naming the numbers, the fields and the fix, after `where`) a `model` whose decoder
+        layers' matrices or embedding are not this shape's: a field the model does not read (GPT-NeoX's attention
+        has no key/value heads of its own), or attention of another form (latent, multi-query by a flag)."""
+        from ..integration.memory_savers import decoder_layers
+
+        layers = decoder_layers(model)
+        matrices = {sum(p.numel() for p in layer.parameters() if p.dim() == 2) for layer in layers}
+        embedding = tuple(model.get_input_embeddings().weight.shape)
+        if len(layers) != self.layers or matrices != {self.layer_params} or embedding != (self.vocab, self.hidden):
+            raise ValueError(f"{where}: the model's {len(layers)} decoder layers hold {sorted(matrices)} matrix "
+                             f"weights each and its embedding {embedding}, not the shape's {self.layers} of "
+                             f"{self.layer_params} and {(self.vocab, self.hidden)} that its fields give "
+                             "(num_key_value_heads, head_dim, the MLP's width: one the model does not read, or "
+                             "attention of another form, e.g. latent); give the fields of the model's own "
+                             "config.json, or a preset (--model).")
 
     def linear_flops(self, *, recompute: bool) -> tuple[float, float]:
         """(per token per layer, per token for the LM head) of one training step: 2 FLOPs per weight

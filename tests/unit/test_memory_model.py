@@ -166,12 +166,15 @@ def test_a_configs_parameters_and_linear_work_are_its_models(name):
 ], ids=["xielu_with_weights", "unread_kv_heads"])
 def test_a_config_whose_mlp_or_layers_the_model_cannot_read_is_refused(fields, message, tmp_path, capsys):
     """An activation with weights of its own (xIELU: not run on the meta device), or a field the model does not read
-    (GPT-NeoX has no key/value heads of its own), is refused naming it, not counted as a gated Llama layer."""
+    (GPT-NeoX has no key/value heads of its own), is refused naming it by both commands, not counted as a gated
+    Llama layer."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(fields))
-    with pytest.raises(SystemExit):
-        cli_main(["memory", "--config", str(path), "--quiet"])
-    assert message in capsys.readouterr().err
+    for command in ("memory", "simulate"):
+        with pytest.raises(SystemExit):
+            cli_main([command, "--config", str(path), "--quiet"] if command == "memory" else
+                     [command, "--config", str(path)])
+        assert message in capsys.readouterr().err
 
 
 def test_sliding_window_layers_are_read_from_the_config_and_other_layer_types_refused():
