@@ -28,7 +28,14 @@ from ..distributed.heads.split import HeadSplit
 from ..distributed.split.blocks import ShardPlan
 from .shapes import ModelShape
 from .simulate import Cluster, RingSetup, Workload, simulate_ring
-from .step_model import Hardware, dense_ring_counts, estimation_time, ring_attention_time, ring_counts
+from .step_model import (
+    Hardware,
+    dense_ring_counts,
+    estimation_time,
+    ring_attention_time,
+    ring_counts,
+    sliding_ring_counts,
+)
 
 ACTIVATION_BYTES = 2  # bf16 q, k, v, out and their gradients
 
@@ -82,7 +89,7 @@ def exchange_bytes(split: HeadSplit, tokens: int, head_dim: int) -> dict[str, in
 def predict_head_parallel_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, *,
                                head_size: int, recompute: bool = True,
                                estimation: SparseAttentionConfig | None = None, dense_layers: int = 0,
-                               dense: RingSetup | None = None) -> dict:
+                               dense: RingSetup | None = None, sliding: RingSetup | None = None) -> dict:
     """Predicted seconds of one training step of `model` over one sequence under head parallelism.
 
     Args:
@@ -94,6 +101,8 @@ def predict_head_parallel_step(setup: RingSetup, model: ModelShape, hw: Hardware
         estimation: the pattern settings whose estimation is charged (default `SparseAttentionConfig()`).
         dense_layers, dense: as in `predict_step`: the first layers a sparse setup keeps dense run the same
             all-to-alls and the ring (if any) over `dense`, the same split's causal layout, without estimation.
+        sliding: as in `predict_step`: the model's sliding-window layers run the same all-to-alls and the ring (if
+            any) over `sliding`, the same split's layout of the window, without estimation.
 
     Returns:
         A dict like `predict_step`'s (step_s, tokens_per_s, per-layer seconds, comm_share, kept) plus the
@@ -118,6 +127,7 @@ def predict_head_parallel_step(setup: RingSetup, model: ModelShape, hw: Hardware
     sent = exchange_bytes(split, tokens, model.head_dim)
 
     dense_layers, dense_counts = dense_ring_counts(setup, dense, dense_layers, local)  # (local: model's layers)
+    sliding_layers, sliding_counts = sliding_ring_counts(sliding, local)
 
     def step(c: Cluster, ring_c: Cluster) -> tuple[float, dict, float, float, float, float]:
         att = ring_attention_time(setup, local, hw, ring_c, work, traffic)
@@ -126,14 +136,17 @@ def predict_head_parallel_step(setup: RingSetup, model: ModelShape, hw: Hardware
         bwd = (all_to_all_time(sent["to_sequence_backward"], head_size, c)
                + all_to_all_time(sent["to_heads_backward"], head_size, c))
         sparse_attention = passes * (est + att["fwd"].time + fwd) + att["bwd"].time + bwd
-        dense_attention = 0.0
+        dense_attention, sliding_attention = 0.0, 0.0
         if dense_layers:
             d = ring_attention_time(dense, local, hw, ring_c, *dense_counts)
             dense_attention = passes * (d["fwd"].time + fwd) + d["bwd"].time + bwd
-        sparse_layers = model.layers - dense_layers
-        total = model.layers * linear + sparse_layers * sparse_attention + dense_layers * dense_attention + lm_head
-        share = dense_layers * dense_attention / (dense_layers * dense_attention + sparse_layers * sparse_attention)
-        return total, att, est, fwd, bwd, share
+        if sliding_layers:
+            w = ring_attention_time(sliding, local, hw, ring_c, *sliding_counts)
+            sliding_attention = passes * (w["fwd"].time + fwd) + w["bwd"].time + bwd
+        sparse_layers = model.layers - dense_layers - sliding_layers
+        attention = dense_layers * dense_attention + sparse_layers * sparse_attention
+        total = model.layers * linear + attention + sliding_layers * sliding_attention + lm_head
+        return total, att, est, fwd, bwd, dense_layers * dense_attention / attention if attention else 0.0
 
     total, att, est, a2a_fwd, a2a_bwd, dense_share = step(cluster, ring_cluster)
     ideal = step(cluster.without_network(), ring_cluster.without_network())[0]
@@ -148,7 +161,7 @@ def predict_head_parallel_step(setup: RingSetup, model: ModelShape, hw: Hardware
         "ring_forward_bytes_per_rank": float(traffic.total(False).double().mean()),
         "comm_share": 1.0 - ideal / total, "heads_per_rank": split.busiest, "kv_heads_per_rank": kv_local,
         "comm_bound": transfer_only > float(att["fwd"].compute.max()),
-        "dense_layers": dense_layers, "dense_layers_attention_share": dense_share,
+        "dense_layers": dense_layers, "dense_layers_attention_share": dense_share, "sliding_layers": sliding_layers,
         "kv_replication_bytes": split.replicated_kv_bytes(setup.plan.seq_len, model.head_dim, ACTIVATION_BYTES),
         "kept": float(setup.layout.kept_fraction()),
     }

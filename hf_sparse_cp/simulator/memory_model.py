@@ -33,7 +33,7 @@ from ..config import SparseAttentionConfig
 from ..distributed.heads.split import HeadSplit
 from ..memory.savers import MemorySavers
 from .kept_curve import DEFAULT_CURVE, KeptCurve
-from .shapes import MODELS, ModelShape
+from .shapes import MODELS, ModelShape, check_decoder, meta_model
 
 GIB = 2**30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -54,12 +54,15 @@ TERMS = (
 
 @dataclass(frozen=True)
 class Architecture:
-    """A decoder's shape as its memory depends on it: `ModelShape` (layers, hidden, heads, ...) plus
-    whether the LM head shares the embedding and whether q/k/v have biases (Qwen2: yes)."""
+    """A decoder's shape as its memory depends on it: `ModelShape` (layers, hidden, heads, the MLP's form, ...) plus
+    whether the LM head shares the embedding, and the parameters beside the shape's matrices: a layer's
+    (`layer_extra`: biases, norm weights) and the model's outside its layers (`model_extra`: the final norm,
+    position embeddings, an LM head's bias)."""
 
     shape: ModelShape
     tied_embeddings: bool
-    qkv_bias: bool
+    layer_extra: int
+    model_extra: int
 
     @property
     def name(self) -> str:
@@ -67,10 +70,8 @@ class Architecture:
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one decoder layer: projections, biases, two RMSNorm weights."""
-        s = self.shape
-        q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-        return s.layer_params + (q + 2 * kv if self.qkv_bias else 0) + 2 * s.hidden
+        """Parameters of one decoder layer: its matrices, biases and norm weights."""
+        return self.shape.layer_params + self.layer_extra
 
     @property
     def embedding_params(self) -> int:
@@ -78,24 +79,46 @@ class Architecture:
 
     @property
     def params(self) -> int:
-        """Every parameter: embedding (and an untied LM head), the layers, the final norm."""
+        """Every parameter: embedding (and an untied LM head), the layers, the rest (final norm, ...)."""
         heads = 1 if self.tied_embeddings else 2
-        return heads * self.embedding_params + self.shape.layers * self.layer_params + self.shape.hidden
+        return heads * self.embedding_params + self.shape.layers * self.layer_params + self.model_extra
 
     @classmethod
     def from_config(cls, config, name: str | None = None, where: str | None = None) -> Architecture:
-        """From a transformers config of a decoder (`ModelShape.from_config`, which names a missing field), with
-        its tied LM head and q/k/v biases (`attention_bias`; Qwen2 has them without the field)."""
-        bias = bool(getattr(config, "attention_bias", config.model_type == "qwen2"))
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        return cls(ModelShape.from_config(config, name, where), tied, bias)
+        """From a transformers config of a decoder (`ModelShape.from_config`, which names a missing field), its
+        parameters counted on the model transformers builds from it on the meta device: whether the LM head is the
+        embedding, the layers' and the rest's parameters (biases, LayerNorms' or RMSNorms' weights, position
+        embeddings, an LM head's bias).
+
+        Raises:
+            ValueError: `ModelShape.from_config`'s (naming the field and the fix, after `where`).
+        """
+        from ..integration.memory_savers import decoder_layers
+
+        where = where or name or getattr(config, "model_type", "the config")
+        check_decoder(config, where)  # (before the build, whose own errors would name less)
+        model = meta_model(config, where)
+        shape = ModelShape.from_config(config, name, where, model)
+        layers = decoder_layers(model)
+        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+        tied = head is not None and head.weight is embedding.weight
+        layer = sum(p.numel() for p in layers[0].parameters())
+        total = sum(p.numel() for p in model.parameters())
+        rest = total - shape.layers * layer - (1 if tied else 2) * shape.vocab * shape.hidden
+        return cls(shape, tied, layer - shape.layer_params, rest)
+
+
+def _qwen_like(shape: ModelShape, tied_embeddings: bool, qkv_bias: bool) -> Architecture:
+    """A Qwen2/Llama layout: RMSNorm weights before attention and the MLP and at the end, q/k/v biases or none."""
+    bias = (shape.heads + 2 * shape.kv_heads) * shape.head_dim if qkv_bias else 0
+    return Architecture(shape, tied_embeddings, bias + 2 * shape.hidden, shape.hidden)
 
 
 # The size presets `--model` names, the simulator's (`shapes.MODELS`): Qwen2.5 (config.json on the Hugging Face Hub),
 # q/k/v biases, 0.5B, 1.5B and 3B tying the LM head to the embedding; Qwen3-8B without biases or tying (its q/k
 # RMSNorm weights, 2 x head_dim a layer, are left out: 9K of 8.2B parameters).
-PRESETS = {name: Architecture(MODELS[name], tied_embeddings=name not in ("qwen2.5-7b", "qwen3-8b"),
-                              qkv_bias=name.startswith("qwen2.5")) for name in MODELS}
+PRESETS = {name: _qwen_like(MODELS[name], tied_embeddings=name not in ("qwen2.5-7b", "qwen3-8b"),
+                            qkv_bias=name.startswith("qwen2.5")) for name in MODELS}
 
 
 @dataclass(frozen=True)
@@ -290,14 +313,16 @@ def layout_construction_bytes(heads: int, query_blocks: int, block_width: int, c
 
 
 def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, tokens: int, heads: int,
-                        ring: bool) -> _AttentionGeometry:
+                        ring: bool, window: int | None = None) -> _AttentionGeometry:
     """Layout widths from the pattern's budgets: a kept diagonal offset crosses at most two block
     diagonals, plus the local window's and the sink's; columns: the vertical budget and the sinks. `tokens` and
-    `heads`: the queries and heads of one attention call on this rank; `ring`: the call runs a ring."""
+    `heads`: the queries and heads of one attention call on this rank; `ring`: the call runs a ring; `window`: the
+    layer's sliding window (such a layer runs dense, unestimated, over the blocks of its window:
+    `estimate.pattern_documents`, `build.dense_layout`)."""
     cfg, sh = s.pattern, arch.shape
     bs, hq = cfg.block_size, heads
     nqb_global, nqb = math.ceil(seq_len / bs), math.ceil(tokens / bs)
-    sparse = cfg.pattern != "dense" and seq_len >= cfg.min_seq_len
+    sparse = _sparse(s, seq_len, window)
     if sparse:
         window = math.ceil((cfg.local_window - 1) / bs) + 1
         diagonals = cfg.budget.most_diagonal_blocks(bs)
@@ -313,9 +338,12 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
             basis = f"{nqb_global} blocks: every block of the row (the bound" + (
                 "; the kept-fraction curve measured another pattern)" if s.kept_curve is not None else ")")
         cols = cfg.budget.most_kept("columns") + cfg.sink_tokens
-    else:
+    elif window is None:
         width, cols = nqb_global, 0  # every causal block, on one shared head
         hq, basis = 1, "dense: every causal block"
+    else:  # the blocks a query block's window reaches (its first query's reaches furthest back), on one shared head
+        width, cols = min(nqb_global, math.ceil((window - 1) / bs) + 1), 0
+        hq, basis = 1, f"{width} blocks: a sliding window of {window} tokens"
     # block_idx and col_idx (int32) and two counts per (head, query block); the Triton path adds its
     # full/partial split (an int32 copy of block_idx, a flag per slot) and backward's per-key-block list
     per_block = hq * (4 * width + 4 * cols + 8) + (hq * width * 9 if s.device == "cuda" else 0)
@@ -361,6 +389,11 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
     return _AttentionGeometry(per_block / bs, construction, estimation, forward, backward, basis)
 
 
+def _sparse(s: StepSettings, seq_len: int, window: int | None) -> bool:
+    """Whether a layer of sliding window `window` (None: global) estimates a sparse pattern at `seq_len`."""
+    return s.pattern.pattern != "dense" and seq_len >= s.pattern.min_seq_len and window is None
+
+
 def rank_tokens(seq_len: int, s: StepSettings) -> int:
     """The tokens of the busiest rank: the sequence itself on one rank, a block sharding's equal share of its
     blocks, or the document planner's token cap (`max_token_ratio`)."""
@@ -388,7 +421,10 @@ class _Step:
         # RMSNorm computes in fp32: a copy of its input unless that is fp32 already
         self.norm32 = 4 * self.h if self.a < 4 else 0
         self.offload = s.savers.offload_layer_inputs and s.gradient_checkpointing and s.device == "cuda"
-        self.sparse = s.pattern.pattern != "dense" and seq_len >= s.pattern.min_seq_len
+        # each layer's sliding window (None: global); the tape's current layer's is `window`
+        self.windows = sh.windows or (None,) * sh.layers
+        self.window = self.windows[0]
+        self.seq_len = seq_len
         # The attention call: with head groups (the CP mode's head_size) on the head split, over head_size pieces
         # of the sequence for the busiest rank's share of the heads (K/V expanded or replicated as `HeadSplit`
         # gives them); without, on this rank's shard for every head. Its per-token sizes below are per token of
@@ -398,10 +434,27 @@ class _Step:
         heads, kv_heads = split.busiest, split.busiest_kv
         self.q_att, self.kv_att = heads * sh.head_dim * s.head_size, kv_heads * sh.head_dim * s.head_size
         self.hq_att = heads * s.head_size
-        g = _attention_geometry(arch, s, seq_len, self.t * s.head_size, heads, self.ring)
-        self.geometry = replace(g, layout_per_token=g.layout_per_token * s.head_size,
-                                construction=(g.construction[0] * s.head_size, g.construction[1]),
-                                estimation=(g.estimation[0] * s.head_size, g.estimation[1]))
+        self.geometries = {}
+        for window in set(self.windows):
+            g = _attention_geometry(arch, s, seq_len, self.t * s.head_size, heads, self.ring, window)
+            self.geometries[window] = replace(g, layout_per_token=g.layout_per_token * s.head_size,
+                                              construction=(g.construction[0] * s.head_size, g.construction[1]),
+                                              estimation=(g.estimation[0] * s.head_size, g.estimation[1]))
+
+    @property
+    def geometry(self) -> _AttentionGeometry:
+        """The attention of the tape's current layer (`window`)."""
+        return self.geometries[self.window]
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the current layer estimates a sparse pattern."""
+        return _sparse(self.s, self.seq_len, self.window)
+
+    @property
+    def width(self) -> str:
+        """Where the widest layout's width comes from: a global layer's, else a sliding window's."""
+        return self.geometries[None if None in self.geometries else max(self.geometries)].width
 
     def tiles(self, per_token: float) -> tuple[float, float]:
         """(per-token, constant) bytes of a transient of the tiled modules: one tile's with tiles on."""
@@ -484,14 +537,23 @@ class _Step:
         return []
 
     def mlp(self, grad: bool) -> list[int]:
-        """SwiGLU: gate, act(gate), up, act * up ([T, I] each); saved: all four. Tiled: one tile's."""
-        tape, a, i = self.tape, self.a, self.i
+        """Gated (SwiGLU): gate, act(gate), up, act * up ([T, I] each); two matrices: fc1's output, act of it. Saved:
+        what the activation keeps (SiLU, GELU: its input; a ReLU's input is freed: its output) and its output, and a
+        gated MLP's up and product. Tiled: one tile's."""
+        tape, a, i, sh = self.tape, self.a, self.i, self.arch.shape
         if self.s.savers.tiled:
-            tape.transient("MLP intermediate", *self.tiles(4 * a * i))
+            tape.transient("MLP intermediate", *self.tiles(sh.mlp_saved * a * i))
             return []
-        g, act = tape.alloc("MLP intermediate", per_token=a * i), tape.alloc("MLP intermediate", per_token=a * i)
+        g = tape.alloc("MLP intermediate", per_token=a * i * (sh.activation_saved - 1 if grad else 1))
+        act = tape.alloc("MLP intermediate", per_token=a * i)
         if not grad:
             tape.free(g)
+        if not sh.gated:
+            if grad:
+                return [g, act]
+            tape.transient("attention tensors", per_token=a * self.h)  # fc2's output
+            tape.free(act)
+            return []
         up, m = tape.alloc("MLP intermediate", per_token=a * i), tape.alloc("MLP intermediate", per_token=a * i)
         if grad:
             return [g, act, up, m]
@@ -547,11 +609,20 @@ class _Step:
         """Backward through a recomputed layer, freeing each module's saved tensors after its backward;
         returns the gradient of the layer's input."""
         tape, a, h, i, q, kv, hq = self.tape, self.a, self.h, self.i, self.q_att, self.kv_att, self.hq_att
+        sh = self.arch.shape
         if self.s.savers.tiled:  # fp32 weight-gradient sums; per tile: the recomputed intermediates and theirs
-            sums = tape.alloc("MLP intermediate", const=3 * h * i * 4)
+            sums = tape.alloc("MLP intermediate", const=sh.mlp_matrices * h * i * 4)
             g_n2 = tape.alloc("hidden-state gradients", per_token=a * h)
-            tape.transient("MLP intermediate", *self.tiles(4 * a * i + 3 * a * i))
+            tape.transient("MLP intermediate", *self.tiles((sh.mlp_saved + sh.mlp_matrices) * a * i))
             tape.free(sums)
+        elif not sh.gated:
+            p, act = saved["mlp"]
+            g_act = tape.alloc("MLP intermediate", per_token=a * i)  # fc2 backward
+            tape.free(act)
+            g_p = tape.alloc("MLP intermediate", per_token=a * i)  # the activation's backward
+            tape.free(g_act, p)
+            g_n2 = tape.alloc("hidden-state gradients", per_token=a * h)  # fc1 backward
+            tape.free(g_p)
         else:
             g, act, up, m = saved["mlp"]
             gm = tape.alloc("MLP intermediate", per_token=a * i)  # down_proj backward
@@ -623,7 +694,8 @@ class _Step:
         casts = tape.alloc("autocast weight copies", const=n_layers * arch.layer_params * a) if s.master_weights \
             else None
         floor = [tape.alloc("saved layer inputs", per_token=0 if self.offload else a * h)]  # the embedding
-        for _ in range(n_layers):
+        for window in self.windows:
+            self.window = window
             floor.append(self.layer_forward())
         last = floor.pop()  # the final norm's input (saved by the norm, not by a checkpoint)
         tape.live[last] = ("hidden-state gradients", a * h, 0.0)
@@ -644,6 +716,7 @@ class _Step:
         grad = tape.alloc("hidden-state gradients", per_token=a * h)
         tape.free(grad_hidden)
         for layer in reversed(range(n_layers)):
+            self.window = self.windows[layer]
             copied = tape.alloc("saved layer inputs", per_token=a * h) if self.offload else None
             cast = tape.alloc("autocast weight copies", const=arch.layer_params * a) if s.master_weights else None
             saved = self.layer_recompute()
@@ -675,7 +748,7 @@ def predict_step_memory(arch: Architecture, seq_len: int, settings: StepSettings
         raise ValueError(f"seq_len={seq_len} must be >= 1.")
     s = settings or StepSettings()
     step = _Step(arch, seq_len, s)
-    return MemoryEstimate(arch.name, seq_len, step.t, s, step.run(), step.geometry.width)
+    return MemoryEstimate(arch.name, seq_len, step.t, s, step.run(), step.width)
 
 
 def _loss(tape: _Tape, arch: Architecture, s: StepSettings, t: int, a: int, w: int) -> list[int]:
@@ -733,12 +806,14 @@ def _optimizer_temporaries(arch: Architecture, s: StepSettings) -> float:
 # ------------------------------------------------------------------------------------------- questions
 
 
-def recomputed_layer_bytes(arch: Architecture, seq_len: int, settings: StepSettings | None = None) -> dict[str, float]:
-    """Bytes one decoder layer saves for its backward when the checkpoint recomputes it, by the module
+def recomputed_layer_bytes(arch: Architecture, seq_len: int, settings: StepSettings | None = None,
+                           layer: int = 0) -> dict[str, float]:
+    """Bytes decoder layer `layer` saves for its backward when the checkpoint recomputes it, by the module
     whose backward reads them ('norm1', 'attention', 'norm2', 'mlp'); the attention's layout (saved with
     them: `SparseLayout.take_apart`) apart, as 'layout'. The layer's input is not counted (the checkpoint
     holds it: 'saved layer inputs')."""
     step = _Step(arch, seq_len, settings or StepSettings())
+    step.window = step.windows[layer]
     groups = step.layer_recompute()
     out = {name: 0.0 for name in groups}
     out["layout"] = 0.0

@@ -1,17 +1,105 @@
 """Decoder shapes the simulator's predictions take (step time, `step_model.py`; memory,
 `memory_model.py`): `ModelShape`, the presets `MODELS`, and any causal LM's shape from its transformers config
-(`ModelShape.from_config`). A leaf: it imports nothing of the package but the config fields it shares with training
-(`config.model_fields`)."""
+(`ModelShape.from_config`, which reads the MLP's form off the model that transformers builds from the config on the
+meta device). It imports nothing of the package but the config fields it shares with training (`config.model_fields`)
+and, to build that model, how training finds its decoder layers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..config.model_fields import EXPERT_COUNTS  # (the predictions count one dense MLP per layer: refused)
 
-# The fields of a decoder's config the predictions read (transformers' standard names).
+# The fields of a decoder's config the predictions read (transformers' standard names; the MLP's width also under
+# GPT-2's `n_inner`, `intermediate_width`).
 DECODER_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+# The fields a config names its MLP's activation by (transformers' `ACT2FN` keys), for the refusals.
+ACTIVATION_FIELDS = ("hidden_act", "hidden_activation", "activation_function")
+
+
+def intermediate_width(config: Any) -> int | None:
+    """The MLP's width: a GPT-2-style config's `n_inner` (None there: 4 x the hidden size, as transformers' GPT-2,
+    CodeGen and GPTBigCode MLPs build it, whatever else the config holds), else `intermediate_size`; None where the
+    config names neither."""
+    if hasattr(config, "n_inner"):
+        return 4 * config.hidden_size if config.n_inner is None else config.n_inner
+    return getattr(config, "intermediate_size", None)
+
+
+def meta_model(config: Any, where: str) -> torch.nn.Module:
+    """The causal LM transformers builds from `config`, on the meta device (no memory, no initialization).
+
+    Raises:
+        ValueError: transformers cannot build it, with its own message, after `where`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception as error:  # (any config error of any architecture: reported, never guessed around)
+        raise ValueError(f"{where}: transformers cannot build the model from the config ({error}); the predictions "
+                         "read its layers: give a config.json that transformers loads, or a preset (--model).") \
+            from error
+
+
+def activation_saved(activation: torch.nn.Module) -> float:
+    """[tokens, intermediate] tensors an MLP keeps of its activation for backward, measured on `activation` itself: the
+    storages its forward saves (SiLU and GELU: their input; ReLU: its output; GPT-2's tanh GELU: four of them) and its
+    output, which the next matrix product saves; in units of its input's size, the larger of bf16's and fp32's."""
+    units = []
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(4096, dtype=dtype).requires_grad_()
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, saved: dict[int, int] = saved) -> torch.Tensor:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = activation(x)
+        saved[y.untyped_storage().data_ptr()] = y.untyped_storage().nbytes()
+        units.append(sum(saved.values()) / x.untyped_storage().nbytes())
+    return max(units)
+
+
+def mlp_form(model: torch.nn.Module, config: Any, where: str) -> tuple[bool, float]:
+    """(gated, `activation_saved`) of the MLP of `model`'s first decoder layer (its `mlp`, where token tiles find it
+    too): gated where its matrices hold 3 x hidden x intermediate weights (gate, up, down; a fused gate_up counts as
+    two), two-matrix where 2 x (fc1 and fc2: GPT-NeoX's, Phi's, StarCoder2's, GPT-2's).
+
+    Raises:
+        ValueError: no decoder layer with an `mlp`, an MLP of another size, or not one activation module in it; the
+            message names the module, the config's fields and the fix, after `where`.
+    """
+    from ..integration.memory_savers import decoder_layers
+
+    hidden, width = config.hidden_size, intermediate_width(config)
+    layers = decoder_layers(model)
+    mlp = getattr(layers[0], "mlp", None) if layers else None
+    if not isinstance(mlp, torch.nn.Module):
+        shown = type(layers[0]).__name__ if layers else type(model).__name__
+        raise ValueError(f"{where}: {shown} has no decoder layer with an `mlp` module, whose form (gated or two "
+                         "matrices) the predictions read; give a decoder with one, e.g. a Llama's config.json, or a "
+                         "preset (--model).")
+    weights = sum(p.numel() for p in mlp.parameters() if p.dim() == 2)
+    if weights not in (2 * hidden * width, 3 * hidden * width):
+        raise ValueError(f"{where}: the MLP ({type(mlp).__name__}) holds {weights:,} weights, neither two nor three "
+                         f"matrices of hidden_size {hidden} x its width {width} (intermediate_size, or GPT-2's "
+                         "n_inner); the predictions model those two forms only: give the config's own MLP width, or a "
+                         "preset (--model).")
+    # (its activation: the one module in it besides the matrices and dropout; one with weights of its own, xIELU's,
+    # is built on the meta device and cannot run there)
+    activations = [m for m in mlp.children() if not isinstance(m, torch.nn.Dropout) and not list(m.parameters())]
+    field = ", ".join(f"{f}={getattr(config, f)!r}" for f in ACTIVATION_FIELDS if hasattr(config, f))
+    if len(activations) != 1:
+        raise ValueError(f"{where}: the MLP ({type(mlp).__name__}) has no single activation module without weights "
+                         f"({field or 'no activation field'} in the config) whose saved tensors the predictions can "
+                         "measure; give a decoder whose MLP has one (e.g. silu, gelu), or a preset (--model).")
+    return weights == 3 * hidden * width, activation_saved(activations[0])
 
 
 def check_decoder_sizes(where: str, sizes: dict[str, Any]) -> None:
@@ -24,9 +112,73 @@ def check_decoder_sizes(where: str, sizes: dict[str, Any]) -> None:
                          "model's own config.json, or a preset (--model).")
 
 
+def layer_windows(config: Any, where: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: global attention) as the attention backend receives it: the layers that
+    `layer_types` names 'sliding_attention' (Gemma 3, Cohere 2, Qwen2's `use_sliding_window` from
+    `max_window_layers` on) attend within `sliding_window`; without `layer_types`, a `sliding_window` is every
+    layer's (Mistral's, StarCoder2's and Phi-3's attention pass it to every call); () where no layer has one.
+
+    Raises:
+        ValueError: a layer type other than those two (e.g. Llama 4's 'chunked_attention'), `layer_types` of
+            another length than the layers, or no positive whole `sliding_window` for sliding layers; the message
+            names the field and the fix, after `where`.
+    """
+    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if types is None:
+        types = [] if window is None else ["sliding_attention"] * config.num_hidden_layers
+    unknown = sorted({kind for kind in types if kind not in ("full_attention", "sliding_attention")})
+    if unknown or len(types) not in (0, config.num_hidden_layers):
+        raise ValueError(f"{where}: layer_types {list(types)} (of {len(types)} layers) names "
+                         f"{unknown or 'another count of layers'}: the predictions model 'full_attention' and "
+                         f"'sliding_attention' layers, one for each of the {config.num_hidden_layers} layers; give "
+                         "the model's own config.json, or a preset (--model).")
+    if "sliding_attention" in types and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"{where}: sliding_window={window!r} for sliding-window layers; give the window in tokens (a "
+                         "whole number >= 1), or a preset (--model).")
+    windows = tuple(window if kind == "sliding_attention" else None for kind in types)
+    return windows if any(w is not None for w in windows) else ()
+
+
+def check_decoder(config: Any, where: str) -> tuple[int, int, int]:
+    """(heads, key/value heads, head_dim) of a decoder's transformers config, after `ModelShape.from_config`'s checks
+    of its fields (run before a model is built from it, whose own errors would name less).
+
+    Raises:
+        ValueError: see `ModelShape.from_config`.
+    """
+    experts = [field for field in EXPERT_COUNTS if getattr(config, field, None)]
+    if experts:
+        raise ValueError(f"{where}: {experts[0]}={getattr(config, experts[0])}: a mixture of experts, which the "
+                         "predictions do not model (they count one dense MLP per layer); give a dense model's "
+                         "config.json, or a preset (--model).")
+    missing = [field for field in DECODER_FIELDS if getattr(config, field, None) is None
+               and not (field == "intermediate_size" and intermediate_width(config) is not None)]
+    if missing:
+        raise ValueError(f"{where}: no {', '.join(missing)} in the config; the predictions need a decoder's "
+                         f"{', '.join(DECODER_FIELDS)} (a Llama-style config.json): add the missing field(s), or "
+                         "give a preset (--model).")
+    check_decoder_sizes(where, {**{field: getattr(config, field) for field in DECODER_FIELDS[:3]},
+                                "intermediate_size": intermediate_width(config), "vocab_size": config.vocab_size})
+    heads, head_dim = config.num_attention_heads, getattr(config, "head_dim", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    # (a field the file leaves out takes its model type's default: BERT's 12 heads over a hidden size of 64)
+    if head_dim is None and config.hidden_size % heads:
+        raise ValueError(f"{where}: hidden_size {config.hidden_size} is not divisible by num_attention_heads "
+                         f"{heads}, and no head_dim says how wide a head is; give the config's own "
+                         "num_attention_heads (or head_dim).")
+    if heads % kv_heads:
+        raise ValueError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                         f"{kv_heads} (each key/value head serves a group of query heads); give the config's "
+                         "own head counts.")
+    return heads, kv_heads, head_dim or config.hidden_size // heads
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder's shape (Qwen2Config fields)."""
+    """A decoder's shape (Qwen2Config fields), with its MLP's form: gated (SwiGLU, GeGLU: gate, up and down
+    projections) or two matrices (fc1, fc2), how many [tokens, intermediate] tensors its activation keeps for
+    backward (`activation_saved`; SiLU: its input and output), and which layers attend within a sliding window
+    (`windows`, `layer_windows`)."""
 
     name: str
     layers: int
@@ -37,12 +189,26 @@ class ModelShape:
     intermediate: int
     vocab: int
     source: str = ""
+    gated: bool = True
+    activation_saved: float = 2.0
+    windows: tuple[int | None, ...] = ()  # each layer's sliding window, None: global; (): every layer global
+
+    @property
+    def mlp_matrices(self) -> int:
+        """The MLP's matrices: gate, up and down, or fc1 and fc2."""
+        return 3 if self.gated else 2
+
+    @property
+    def mlp_saved(self) -> float:
+        """[tokens, intermediate] tensors the MLP keeps for backward: its activation's, and a gated MLP's up
+        projection and product."""
+        return self.activation_saved + (2 if self.gated else 0)
 
     @property
     def layer_params(self) -> int:
-        """Weights of one layer's matrix multiplications (attention projections and the SwiGLU MLP)."""
+        """Weights of one layer's matrix multiplications (attention projections and the MLP's matrices)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate
+        return self.hidden * (2 * q + 2 * kv) + self.mlp_matrices * self.hidden * self.intermediate
 
     @property
     def linear_flop_pairs(self) -> float:
@@ -56,42 +222,47 @@ class ModelShape:
         return self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
 
     @classmethod
-    def from_config(cls, config: Any, name: str | None = None, where: str | None = None) -> ModelShape:
+    def from_config(cls, config: Any, name: str | None = None, where: str | None = None,
+                    model: torch.nn.Module | None = None) -> ModelShape:
         """The shape of a decoder from its transformers config (`AutoConfig`; the standard names, which
-        transformers maps for GPT-2-style configs too): layers, hidden size, heads, KV heads, head_dim, the gated
-        MLP's width and the vocabulary.
+        transformers maps for GPT-2-style configs too): layers, hidden size, heads, KV heads, head_dim, the MLP's
+        width, form and activation (`mlp_form`, on `model`: the config's, built on the meta device when not given)
+        and the vocabulary.
 
         Raises:
             ValueError: a field the predictions need is missing, the heads do not divide the hidden size (or the
-                key/value heads the query heads), or the model routes its tokens to experts; the message names
-                the field and the fix, after `where` (default: the name or model type; a command's flag and file).
+                key/value heads the query heads), the model routes its tokens to experts, its MLP is of neither
+                form, its layers are of other sizes (`check_matrices`) or of another kind (`layer_windows`); the
+                message names the field and the fix, after `where` (default: the name or model type; a command's
+                flag and file).
         """
         where = where or name or getattr(config, "model_type", "the config")
-        experts = [field for field in EXPERT_COUNTS if getattr(config, field, None)]
-        if experts:
-            raise ValueError(f"{where}: {experts[0]}={getattr(config, experts[0])}: a mixture of experts, which the "
-                             "predictions do not model (they count one dense MLP per layer); give a dense model's "
+        heads, kv_heads, head_dim = check_decoder(config, where)
+        windows = layer_windows(config, where)
+        model = model if model is not None else meta_model(config, where)
+        gated, activation = mlp_form(model, config, where)
+        shape = cls(name or config.model_type, config.num_hidden_layers, config.hidden_size, heads, kv_heads,
+                    head_dim, intermediate_width(config),
+                    config.vocab_size, f"config.json of model_type {config.model_type!r}", gated, activation, windows)
+        shape.check_matrices(model, where)
+        return shape
+
+    def check_matrices(self, model: torch.nn.Module, where: str) -> None:
+        """Refuse (ValueError naming the numbers, the fields and the fix, after `where`) a `model` whose decoder
+        layers' matrices or embedding are not this shape's: a field the model does not read (GPT-NeoX's attention
+        has no key/value heads of its own), or attention of another form (latent, multi-query by a flag)."""
+        from ..integration.memory_savers import decoder_layers
+
+        layers = decoder_layers(model)
+        matrices = {sum(p.numel() for p in layer.parameters() if p.dim() == 2) for layer in layers}
+        embedding = tuple(model.get_input_embeddings().weight.shape)
+        if len(layers) != self.layers or matrices != {self.layer_params} or embedding != (self.vocab, self.hidden):
+            raise ValueError(f"{where}: the model's {len(layers)} decoder layers hold {sorted(matrices)} matrix "
+                             f"weights each and its embedding {embedding}, not the shape's {self.layers} of "
+                             f"{self.layer_params} and {(self.vocab, self.hidden)} that its fields give "
+                             "(num_key_value_heads, head_dim, the MLP's width: one the model does not read, or "
+                             "attention of another form, e.g. latent); give the fields of the model's own "
                              "config.json, or a preset (--model).")
-        missing = [field for field in DECODER_FIELDS if getattr(config, field, None) is None]
-        if missing:
-            raise ValueError(f"{where}: no {', '.join(missing)} in the config; the predictions need a decoder's "
-                             f"{', '.join(DECODER_FIELDS)} (a Llama-style config.json): add the missing field(s), or "
-                             "give a preset (--model).")
-        check_decoder_sizes(where, {field: getattr(config, field) for field in DECODER_FIELDS})
-        heads, head_dim = config.num_attention_heads, getattr(config, "head_dim", None)
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        # (a field the file leaves out takes its model type's default: BERT's 12 heads over a hidden size of 64)
-        if head_dim is None and config.hidden_size % heads:
-            raise ValueError(f"{where}: hidden_size {config.hidden_size} is not divisible by num_attention_heads "
-                             f"{heads}, and no head_dim says how wide a head is; give the config's own "
-                             "num_attention_heads (or head_dim).")
-        if heads % kv_heads:
-            raise ValueError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
-                             f"{kv_heads} (each key/value head serves a group of query heads); give the config's "
-                             "own head counts.")
-        return cls(name or config.model_type, config.num_hidden_layers, config.hidden_size, heads, kv_heads,
-                   head_dim or config.hidden_size // heads, config.intermediate_size,
-                   config.vocab_size, f"config.json of model_type {config.model_type!r}")
 
     def linear_flops(self, *, recompute: bool) -> tuple[float, float]:
         """(per token per layer, per token for the LM head) of one training step: 2 FLOPs per weight

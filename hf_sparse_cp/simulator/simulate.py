@@ -245,15 +245,16 @@ class Workload:
     """One row to simulate: its runs (documents and padding, in row order) and its layouts.
 
     lengths, kinds: the runs' tokens and kinds ('sparse', 'dense', 'pad'; `split.documents.row_runs`);
-    layout(kind, plan): the global layout of `kind` ('dense': causal within documents, or
-    'sparse') over `plan`'s padded sequence, in `plan`'s global order;
+    layout(kind, plan, window=None): the global layout of `kind` ('dense': causal within documents, and within
+    a sliding `window` of tokens where one is given; or 'sparse') over `plan`'s padded sequence, in `plan`'s
+    global order;
     kept_per_row: key blocks a sparse document's query row lists (the planner's cost model);
     planner_costs: the planner's weights (None: `PlannerCosts()`; `simulate_cli` gives the model's linear weight).
     """
 
     lengths: tuple[int, ...]
     kinds: tuple[str, ...]
-    layout: Callable[[str, BlockSplit], SparseLayout]
+    layout: Callable[..., SparseLayout]
     kept_per_row: int | None = None
     planner_costs: PlannerCosts | None = None
 

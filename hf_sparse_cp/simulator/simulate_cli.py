@@ -263,18 +263,18 @@ def sequence_workload(args, seq: int) -> Workload:
     cache = {}
     density = kept_target(args, seq).kept
 
-    def layout(kind: str, plan) -> object:
+    def layout(kind: str, plan, window: int | None = None) -> object:
         if not plan.keeps_order:
             raise ValueError("one sequence keeps its order under every split of it.")
-        if (kind, plan.padded_len) not in cache:
+        if (kind, plan.padded_len, window) not in cache:
             meta = TokenMeta.contiguous(1, seq).pad_to(plan.padded_len)
-            cache[kind, plan.padded_len] = dense_layout(meta, BLOCK) if kind == "dense" else \
+            cache[kind, plan.padded_len, window] = dense_layout(meta, BLOCK, window) if kind == "dense" else \
                 random_vertical_slash_layout(1, args.layout_heads, seq, BLOCK,
                                              num_diagonals=round(density * seq // BLOCK),
                                              num_verticals=args.verticals, sink_tokens=args.sink,
                                              diagonal_spread=args.spread, padded_len=plan.padded_len,
                                              generator=torch.Generator().manual_seed(args.seed))
-        return cache[kind, plan.padded_len]
+        return cache[kind, plan.padded_len, window]
 
     return Workload((seq,), ("sparse",), layout)
 
@@ -288,11 +288,11 @@ def packed_workload(mix: str, seq: int, seed: int) -> Workload:
     runs, kinds = row_runs(meta, cfg)
     cache = {}
 
-    def layout(kind: str, plan) -> object:
-        key = (kind, plan.padded_len) if plan.keeps_order else None  # block shardings share the row's layout
+    def layout(kind: str, plan, window: int | None = None) -> object:
+        key = (kind, plan.padded_len, window) if plan.keeps_order else None  # block shardings share the row's
         if key in cache:
             return cache[key]
-        out = dense_layout(plan.global_meta(meta), BLOCK) if kind == "dense" else \
+        out = dense_layout(plan.global_meta(meta), BLOCK, window) if kind == "dense" else \
             packed_layout(plan, meta, cfg, scores)[0]
         if key is not None:
             cache[key] = out
@@ -313,6 +313,11 @@ def simulate(args, model_name: str, model: ModelShape, cluster: Cluster, hardwar
     """The predicted rows, printed as they come: each sparse configuration with each of `kernels` (keys of
     `KERNELS`; 'block-only' rows are bounds, labelled so), the dense ring with `dense_kernel`."""
     hardware = {k: hardware_of(dense_kernel=dense_kernel, **KERNELS[k]) for k in kernels}
+    windows = {w for w in model.windows if w is not None}  # (a config's sliding layers share its sliding_window)
+    if len(windows) > 1:
+        raise ValueError(f"{model_name}: sliding windows of {sorted(windows)} tokens; the simulator charges one "
+                         "window's layout: give one sliding_window.")
+    window = next(iter(windows), None)
     rows = []
     for seq in seqs:
         check_chunks(seq, cps)  # (the command's are checked as it parses them)
@@ -335,16 +340,19 @@ def simulate(args, model_name: str, model: ModelShape, cluster: Cluster, hardwar
                 counts = ring_counts(setup, model) if not in_mode else None
                 dense = with_causal_layout(setup, workload.layout("dense", setup.plan)) \
                     if setup.sparse and args.dense_first_layers else None
+                sliding = with_causal_layout(setup, workload.layout("dense", setup.plan, window)) if window else None
                 for kernel, hw in hardware.items():
                     if not setup.sparse and kernel != "flex":
                         continue
                     if in_mode:
                         r = predict_head_parallel_step(setup, model, hw, cluster, head_size=head_size,
                                                        estimation=_estimation(args),
-                                                       dense_layers=args.dense_first_layers, dense=dense)
+                                                       dense_layers=args.dense_first_layers, dense=dense,
+                                                       sliding=sliding)
                     else:
                         r = predict_step(setup, model, hw, cluster, estimation_chunk=args.estimation_chunk,
-                                         counts=counts, dense_layers=args.dense_first_layers, dense=dense)
+                                         counts=counts, dense_layers=args.dense_first_layers, dense=dense,
+                                         sliding=sliding)
                     r.update(mode=mode.name if in_mode else "ring", head_size=head_size if in_mode else 1)
                     if target is not None and setup.sparse:
                         r.update(kept_target=target.kept, kept_basis=target.basis, kept_source=target.source)

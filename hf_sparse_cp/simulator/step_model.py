@@ -282,21 +282,35 @@ def ring_counts(setup: RingSetup, model: ModelShape) -> tuple[PlanWork, PlanTraf
 
 def dense_ring_counts(setup: RingSetup, dense: RingSetup | None, dense_layers: int,
                       model: ModelShape) -> tuple[int, tuple[PlanWork, PlanTraffic] | None]:
-    """The first layers a sparse `setup` keeps dense (none for a dense one) and `ring_counts` of `dense`, the
-    same split over the causal layout they run on; refuses a count outside the model or a missing `dense`."""
+    """The global layers among the first `dense_layers` that a sparse `setup` keeps dense (none for a dense one; a
+    sliding-window layer is `sliding_ring_counts`') and `ring_counts` of `dense`, the same split over the causal
+    layout they run on; refuses a count outside the model or a missing `dense`."""
     if not 0 <= dense_layers <= model.layers:
         raise ValueError(f"dense_layers={dense_layers} must be within the model's 0-{model.layers} layers.")
-    dense_layers = dense_layers if setup.sparse else 0
+    windows = model.windows or (None,) * model.layers
+    dense_layers = sum(w is None for w in windows[:dense_layers]) if setup.sparse else 0
     if dense_layers and dense is None:
         raise ValueError("dense_layers needs `dense`: the same split over the causal layout (with_causal_layout).")
     return dense_layers, (ring_counts(dense, model) if dense_layers else None)
+
+
+def sliding_ring_counts(sliding: RingSetup | None,
+                        model: ModelShape) -> tuple[int, tuple[PlanWork, PlanTraffic] | None]:
+    """The layers of `model` that attend within a sliding window (`ModelShape.windows`: they run dense, without
+    estimation, over the window's blocks) and `ring_counts` of `sliding`, the same split over that layout; refuses
+    a missing `sliding`."""
+    layers = sum(w is not None for w in model.windows)
+    if layers and sliding is None:
+        raise ValueError(f"the model's {layers} sliding-window layers need `sliding`: the same split over the "
+                         "window's layout (with_causal_layout).")
+    return layers, (ring_counts(sliding, model) if layers else None)
 
 
 def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Cluster, *, recompute: bool = True,
                  last_q: int | None = None, estimation_chunk: int | None = None,
                  estimation: SparseAttentionConfig | None = None,
                  counts: tuple[PlanWork, PlanTraffic] | None = None, dense_layers: int = 0,
-                 dense: RingSetup | None = None) -> dict:
+                 dense: RingSetup | None = None, sliding: RingSetup | None = None) -> dict:
     """Predicted seconds of one training step of `model` over one sequence split by `setup`.
 
     Returns a dict: step_s, tokens_per_s, per-layer seconds (layer_s, linear_s, estimation_s,
@@ -310,7 +324,9 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
     the hardware).
     dense_layers: the first layers a sparse setup keeps dense (`dense_first_layers`); under CP the plugin
     runs them through the same ring and kernels over the causal layout, without estimation: `dense` is
-    that setup (`with_causal_layout`). The result adds their seconds and their share of the attention."""
+    that setup (`with_causal_layout`). The result adds their seconds and their share of the attention.
+    sliding: the same split over the layout of the model's sliding window, which its sliding-window layers
+    (`ModelShape.windows`) run dense without estimation, whatever `setup` runs (`sliding_ring_counts`)."""
     if setup.plan.block_size != hw.block_size:
         raise ValueError(f"the calibration is for blocks of {hw.block_size} tokens, the plan uses "
                          f"{setup.plan.block_size}: simulate with block_size={hw.block_size}.")
@@ -331,6 +347,7 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
         cfg = cfg.replace(estimation="causal_chunks", estimation_chunk=estimation_chunk)
 
     dense_layers, dense_counts = dense_ring_counts(setup, dense, dense_layers, model)
+    sliding_layers, sliding_counts = sliding_ring_counts(sliding, model)
 
     def ring_seconds(att: dict, est: float) -> float:  # a layer's attention: estimation, rings from their start
         return passes * (est + att["fwd"].time) + float((att["bwd"].end - att["bwd_start"]).max())
@@ -338,15 +355,19 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
     def step(c: Cluster) -> tuple[float, dict, float, float]:
         est = estimation_time(setup, model, hw, c, cfg)
         fwd, bwd, att = layer_time(setup, model, hw, c, work, traffic, rank_linear, est, recompute=recompute)
-        dense_layer, dense_attention = 0.0, 0.0
+        dense_layer, dense_attention, sliding_layer = 0.0, 0.0, 0.0
         if dense_layers:
             d_fwd, d_bwd, d = layer_time(dense, model, hw, c, *dense_counts, rank_linear, 0.0, recompute=recompute)
             dense_layer, dense_attention = d_fwd + d_bwd, ring_seconds(d, 0.0)
-        sparse_layers = model.layers - dense_layers
-        total = sparse_layers * (fwd + bwd) + dense_layers * dense_layer + head
+        if sliding_layers:
+            w_fwd, w_bwd, _ = layer_time(sliding, model, hw, c, *sliding_counts, rank_linear, 0.0,
+                                         recompute=recompute)
+            sliding_layer = w_fwd + w_bwd
+        sparse_layers = model.layers - dense_layers - sliding_layers
+        total = sparse_layers * (fwd + bwd) + dense_layers * dense_layer + sliding_layers * sliding_layer + head
         sparse_attention = ring_seconds(att, est)
-        share = dense_layers * dense_attention / (dense_layers * dense_attention + sparse_layers * sparse_attention)
-        return total, att, est, share
+        attention = dense_layers * dense_attention + sparse_layers * sparse_attention
+        return total, att, est, dense_layers * dense_attention / attention if attention else 0.0
 
     total, att, est, dense_share = step(cluster)
     ideal = step(cluster.without_network())[0]
@@ -363,7 +384,7 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
         "ring_step_transfer_ms": [1e3 * float(x) for x in fwd.step_transfer],
         "forward_bytes_per_rank": float(traffic.total(False).double().mean()),
         "kept": float(setup.layout.kept_fraction()),
-        "dense_layers": dense_layers, "dense_layers_attention_share": dense_share,
+        "dense_layers": dense_layers, "dense_layers_attention_share": dense_share, "sliding_layers": sliding_layers,
     }
 
 

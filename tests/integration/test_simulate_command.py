@@ -66,9 +66,17 @@ def test_simulate_takes_any_config_and_a_custom_cluster(tmp_path, monkeypatch, c
     assert "A100 costs x 624/312 (--gpu-tflops" in custom["calibration"]["sources"]["scaling"]
     dense = [r["step_s"] for r in (preset["rows"][0], custom["rows"][0])]
     assert dense[0] != dense[1]
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))  # (issue #50: refused, naming no width)
+    gpt2 = simulate_cli.main(base)["model"]  # its MLP: n_inner (None: 4 x n_embd), two matrices
+    assert (gpt2["hidden"], gpt2["intermediate"], gpt2["gated"]) == (768, 3072, False)
+    (folder / "config.json").write_text(json.dumps({  # Gemma 3 270M: 15 of its 18 layers attend within 512 tokens
+        "model_type": "gemma3_text", "num_hidden_layers": 18, "hidden_size": 640, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 256, "intermediate_size": 2048, "vocab_size": 262144,
+        "sliding_window": 512}))
+    assert {r["sliding_layers"] for r in simulate_cli.main(base)["rows"]} == {15}
     capsys.readouterr()
     with pytest.raises(SystemExit) as refused:  # as argparse refuses a flag, before anything prints
-        (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+        (folder / "config.json").write_text(json.dumps({"model_type": "opt"}))  # its width: ffn_dim, not read
         simulate_cli.main(base)
     out, err = capsys.readouterr()
     assert refused.value.code == 2 and out == "" and "no intermediate_size" in err

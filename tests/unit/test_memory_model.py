@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig, configure
 from hf_sparse_cp.cli import main as cli_main
-from hf_sparse_cp.integration.memory_savers import enable_memory_savers
+from hf_sparse_cp.integration.memory_savers import decoder_layers, enable_memory_savers
 from hf_sparse_cp.memory import MemorySavers
 from hf_sparse_cp.simulator import memory_cli
 from hf_sparse_cp.simulator.memory_cli import parse_memory
@@ -26,17 +26,20 @@ from hf_sparse_cp.simulator.memory_model import (
     recomputed_layer_bytes,
     with_savers,
 )
+from hf_sparse_cp.simulator.shapes import ModelShape
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
+# A small Llama-shaped config.json's fields.
+TINY_LLAMA = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256)
 PATTERN = SparseAttentionConfig(block_size=64, min_seq_len=128, dense_first_layers=0, vertical_topk=16, slash_topk=4,
                                 sink_tokens=16, local_window=64, last_q=32)
 
 
-def _saved_bytes(layer, x, position_embeddings) -> tuple[int, int]:
-    """Bytes of the distinct storages autograd saves in one forward of `layer` with grad, besides those
-    that existed before (the input, the parameters, the rotary tables): (activations, the attention's layout,
-    whose tensors are the only int32 ones saved)."""
-    before = {t.untyped_storage().data_ptr() for t in (x, *position_embeddings, *layer.parameters())}
+def _new_saved(call, *known: torch.Tensor) -> dict[int, tuple[int, bool]]:
+    """Storage -> (bytes, whether int32) of what autograd saves while `call()` runs, besides the storages of `known`
+    (inputs and parameters, which existed before)."""
+    before = {t.untyped_storage().data_ptr() for t in known}
     seen: dict[int, tuple[int, bool]] = {}
 
     def pack(t):
@@ -46,14 +49,27 @@ def _saved_bytes(layer, x, position_embeddings) -> tuple[int, int]:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, position_embeddings=position_embeddings)
+        call()
+    return seen
+
+
+def _saved_bytes(layer, x, position_embeddings) -> tuple[int, int]:
+    """Bytes of the distinct storages autograd saves in one forward of `layer` with grad, besides those
+    that existed before (the input, the parameters, the rotary tables): (activations, the attention's layout,
+    whose tensors are the only int32 ones saved)."""
+    seen = _new_saved(lambda: layer(x, position_embeddings=position_embeddings), x, *position_embeddings,
+                      *layer.parameters())
     return tuple(sum(n for n, is_layout in seen.values() if is_layout == part) for part in (False, True))
 
 
-@pytest.mark.parametrize("tiled", [False, True], ids=["stock", "tiled"])
-def test_a_recomputed_layer_saves_what_the_model_counts(tiled):
+@pytest.mark.parametrize("tiled, window", [(False, None), (True, None), (False, 128)],
+                         ids=["stock", "tiled", "sliding"])
+def test_a_recomputed_layer_saves_what_the_model_counts(tiled, window):
+    """The tensors a layer saves, and its layout within the model's bound; a sliding-window layer (issue #50: sized as
+    a global one) runs dense over the blocks of its window, unestimated."""
     hf_sparse_cp.patch()
-    config = tiny_config("qwen2", vocab_size=300, intermediate_size=352)
+    sliding = dict(use_sliding_window=True, max_window_layers=0, sliding_window=window) if window else {}
+    config = tiny_config("qwen2", vocab_size=300, intermediate_size=352, **sliding)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sparse_cp", dtype=torch.bfloat16)
     configure(model, PATTERN)
@@ -72,6 +88,136 @@ def test_a_recomputed_layer_saves_what_the_model_counts(tiled):
     assert predicted["mlp"] == (0 if tiled else 4 * s * config.intermediate_size * 2)
     assert measured == sum(v for k, v in predicted.items() if k != "layout")
     assert 0 < layout <= predicted["layout"]  # the model sizes it at the budget's bound
+    if window:  # (its window's 3 blocks of 64 on one shared head, not the budget's bound on every head)
+        assert arch.shape.windows == (window,) * config.num_hidden_layers
+        assert layout == predicted["layout"] < recomputed_layer_bytes(
+            dataclasses.replace(arch, shape=dataclasses.replace(arch.shape, windows=())), s,
+            StepSettings(device="cpu", pattern=PATTERN))["layout"]
+
+
+# Decoders of both MLP forms (gated: gate, up, down; two matrices: fc1, fc2) and several activations, tiny. GPT-NeoX's
+# and GPT-2's attention have no key/value heads of their own (the tiny fields' 2 would be refused, unread).
+MLP_FORMS = {"qwen2": (True, {}), "gemma": (True, {}), "gpt_neox": (False, {"num_key_value_heads": 4}),
+             "phi": (False, {}), "starcoder2": (False, {}), "gpt2": (False, {"num_key_value_heads": 4}),
+             "nemotron": (False, {})}
+
+
+@pytest.mark.parametrize("model_type", sorted(MLP_FORMS))
+def test_an_mlp_saves_what_the_model_counts(model_type):
+    """Issue #50: every MLP was counted as gated, four [tokens, intermediate] tensors saved for backward; a two-matrix
+    MLP saves what its activation keeps and its output (GELU: fc1's output and the activation's; GPT-2's tanh GELU,
+    written out in PyTorch ops: five), counted by autograd's own hooks (dropout off: not modelled)."""
+    gated, extra = MLP_FORMS[model_type]
+    config = tiny_config(model_type, vocab_size=300, **extra)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    mlp = decoder_layers(model)[0].mlp
+    s = 512
+    x = torch.randn(1, s, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    measured = sum(n for n, _ in _new_saved(lambda: mlp(x), x, *mlp.parameters()).values())
+
+    arch = Architecture.from_config(config)
+    predicted = recomputed_layer_bytes(arch, s, StepSettings(device="cpu", pattern=PATTERN))
+    assert (arch.shape.gated, arch.shape.mlp_matrices) == (gated, 3 if gated else 2)
+    assert measured == predicted["mlp"] > 0
+
+
+# Real-sized configs (the fields of their config.json on the Hugging Face Hub), with the published parameter counts.
+REAL_SIZED = {
+    "pythia-1.4b": (dict(model_type="gpt_neox", num_hidden_layers=24, hidden_size=2048, num_attention_heads=16,
+                         intermediate_size=8192, vocab_size=50304, rotary_pct=0.25), False, 1.41e9),
+    "phi-2": (dict(model_type="phi", num_hidden_layers=32, hidden_size=2560, num_attention_heads=32,
+                   intermediate_size=10240, vocab_size=51200, partial_rotary_factor=0.4), False, 2.78e9),
+    "starcoder2-3b": (dict(model_type="starcoder2", num_hidden_layers=30, hidden_size=3072, num_attention_heads=24,
+                           num_key_value_heads=2, intermediate_size=12288, vocab_size=49152), False, 3.03e9),
+    "gpt2": (dict(model_type="gpt2", n_layer=12, n_embd=768, n_head=12, vocab_size=50257), False, 124.4e6),
+    "gemma-2b": (dict(model_type="gemma", num_hidden_layers=18, hidden_size=2048, num_attention_heads=8,
+                      num_key_value_heads=1, head_dim=256, intermediate_size=16384, vocab_size=256000), True, 2.51e9),
+}
+
+
+@pytest.mark.parametrize("name", [*sorted(REAL_SIZED), *(f"tiny-{t}" for t in sorted(MLP_FORMS))])
+def test_a_configs_parameters_and_linear_work_are_its_models(name):
+    """Issue #50: a config's parameters (biases, LayerNorms, tied or untied LM head, GPT-2's position embeddings, Phi's
+    LM head bias) are the transformers model's, built on the meta device (Pythia-1.4B's shape read 1.82B parameters,
+    GPT-2's config was refused), and simulate's linear FLOPs those of its layers' matrices."""
+    from transformers import AutoConfig
+
+    if name.startswith("tiny-"):
+        gated, extra = MLP_FORMS[name[5:]]
+        config, published = tiny_config(name[5:], vocab_size=300, **extra), None
+    else:
+        fields, gated, published = REAL_SIZED[name]
+        config = AutoConfig.for_model(**fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    arch = Architecture.from_config(config)
+    assert arch.shape.gated == gated
+    assert arch.params == sum(p.numel() for p in model.parameters())
+    assert arch.tied_embeddings == (model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+    if published:
+        assert arch.params == pytest.approx(published, rel=0.005)
+    matrices = sum(p.numel() for p in decoder_layers(model)[0].parameters() if p.dim() == 2)
+    assert arch.shape.linear_flops(recompute=False)[0] == 6 * matrices
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({**TINY_LLAMA, "model_type": "apertus", "hidden_act": "xielu"}, "hidden_act='xielu'"),
+    ({**TINY_LLAMA, "model_type": "gpt_neox"}, "that its fields give (num_key_value_heads"),
+], ids=["xielu_with_weights", "unread_kv_heads"])
+def test_a_config_whose_mlp_or_layers_the_model_cannot_read_is_refused(fields, message, tmp_path, capsys):
+    """An activation with weights of its own (xIELU: not run on the meta device), or a field the model does not read
+    (GPT-NeoX has no key/value heads of its own), is refused naming it by both commands, not counted as a gated
+    Llama layer."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(fields))
+    for command in ("memory", "simulate"):
+        with pytest.raises(SystemExit):
+            cli_main([command, "--config", str(path), "--quiet"] if command == "memory" else
+                     [command, "--config", str(path)])
+        assert message in capsys.readouterr().err
+
+
+def test_sliding_window_layers_are_read_from_the_config_and_other_layer_types_refused():
+    """Issue #50: every layer was sized as a global one. Gemma 3 270M's `layer_types`: 15 sliding layers of 512
+    tokens, 3 global (5, 11, 17), whose layouts set the peak; Mistral's `sliding_window` is every layer's (its
+    attention passes it to every call): no estimation, and layouts of the window's blocks. A layer type the model
+    does not know (Llama 4's chunked attention), or sliding layers without a window, are refused naming the field."""
+    from transformers import AutoConfig, LlamaConfig, MistralConfig
+
+    gemma = Architecture.from_config(AutoConfig.for_model(
+        "gemma3_text", num_hidden_layers=18, hidden_size=640, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256, intermediate_size=2048, vocab_size=262144, sliding_window=512))
+    assert [i for i, w in enumerate(gemma.shape.windows) if w is None] == [5, 11, 17]
+    assert set(gemma.shape.windows) == {None, 512}
+    fields = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=512, vocab_size=1000)
+    n, settings = 1 << 17, StepSettings(pattern=PATTERN)
+    sliding, unwindowed = (Architecture.from_config(MistralConfig(**fields, sliding_window=w)) for w in (1024, None))
+    assert sliding.shape.windows == (1024,) * 4 and unwindowed.shape.windows == ()
+    layouts = [recomputed_layer_bytes(arch, n, settings)["layout"] for arch in (sliding, unwindowed)]
+    assert layouts[0] < layouts[1]
+    peaks = [predict_step_memory(arch, n, settings) for arch in (sliding, unwindowed)]
+    assert peaks[0].peak_bytes < peaks[1].peak_bytes and "a sliding window of 1024 tokens" in peaks[0].layout_width
+    with pytest.raises(ValueError, match=r"layer_types .* names \['chunked_attention'\]"):
+        ModelShape.from_config(LlamaConfig(**fields, layer_types=["full_attention", "chunked_attention"] * 2))
+    with pytest.raises(ValueError, match="sliding_window=None for sliding-window layers"):
+        ModelShape.from_config(LlamaConfig(**fields, layer_types=["sliding_attention"] * 4))
+
+
+def test_the_memory_command_reads_two_matrix_and_gpt2_style_configs(tmp_path, capsys):
+    """Issue #50: a Pythia-1.4B-shaped config.json is counted as its 1.41B parameters (it read 1.82B) and a GPT-2 one
+    (`n_embd`, `n_inner`: null), refused before for naming no intermediate_size, is answered."""
+    for name in ("pythia-1.4b", "gpt2"):
+        fields = REAL_SIZED[name][0]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**fields, "n_inner": None} if name == "gpt2" else
+                                                                fields))
+        cli_main(["memory", "--config", str(tmp_path / name), "--gpu-memory", "80GB", "--json",
+                  str(tmp_path / f"{name}.json")])
+    said = capsys.readouterr().out
+    answers = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("pythia-1.4b", "gpt2")}
+    assert answers["pythia-1.4b"]["parameters"] == 1_414_647_808 and "(1.41B parameters)" in said
+    assert answers["gpt2"]["parameters"] == 124_439_808 and answers["gpt2"]["longest_fitting_tokens"] > 0
 
 
 def test_token_tiles_and_offload_cut_what_the_model_says():

@@ -1,5 +1,6 @@
 """The cluster simulator counts what the ring executes and times its schedule as the analytic answers say."""
 
+import dataclasses
 import re
 
 import pytest
@@ -30,6 +31,7 @@ from hf_sparse_cp.simulator.step_model import (
     predict_step,
     ring_counts,
     ring_step_seconds,
+    with_causal_layout,
 )
 from hf_sparse_cp.simulator.traffic import COLUMNS, PlanTraffic, column_rows, plan_traffic, ring_cost
 from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
@@ -277,6 +279,41 @@ def test_predicted_step_is_consistent():
     small = Workload((S,), ("sparse",), lambda kind, plan: _sparse())
     with pytest.raises(ValueError, match="block_size=128"):
         predict_step(CONFIGURATIONS["striped sparse"](small, 4, BS, 8), model, hw, cluster)
+
+
+def test_sliding_window_layers_run_their_windows_layout_without_estimation():
+    """Issue #50: simulate charged every layer as a global one. A sliding-window layer (`ModelShape.windows`) runs the
+    same ring without estimation over its window's layout, in every configuration: with a window as long as the
+    sequence it costs what a dense first layer costs; a short window shortens the dense ring's step; each such layer
+    adds the same; the first dense layers count only the global ones."""
+    s, cp = 131072, 8
+    meta = TokenMeta.contiguous(1, s)
+    drawn = random_vertical_slash_layout(1, 2, s, 128, num_diagonals=6, num_verticals=64, sink_tokens=32,
+                                         generator=torch.Generator().manual_seed(0))
+    layouts = {("sparse", None): drawn,
+               ("dense", None): dense_layout(meta, 128), ("dense", s): dense_layout(meta, 128, s),
+               ("dense", 4096): dense_layout(meta, 128, 4096)}
+    workload = Workload((s,), ("sparse",), lambda kind, plan, window=None: layouts[kind, window])
+    base, hw, cluster = MODELS["qwen2.5-3b"], HARDWARE["8xH100-IB400"](), CLUSTERS["8xH100-IB400"]
+    n = base.layers
+
+    def step(name: str, windows: tuple, window: int | None, **kwargs) -> dict:
+        setup = CONFIGURATIONS[name](workload, cp, 128, 8)
+        sliding = with_causal_layout(setup, layouts["dense", window]) if window else None
+        return predict_step(setup, dataclasses.replace(base, windows=windows), hw, cluster, sliding=sliding, **kwargs)
+
+    sparse = CONFIGURATIONS["striped sparse"](workload, cp, 128, 8)
+    causal = predict_step(sparse, base, hw, cluster, dense_layers=n, dense=with_causal_layout(sparse,
+                                                                                             layouts["dense", None]))
+    whole = step("striped sparse", (s,) * n, s)
+    assert whole["sliding_layers"] == n and whole["step_s"] == pytest.approx(causal["step_s"], rel=1e-12)
+    dense = [step("dense ring", w, 4096) for w in ((), (4096, None) * (n // 2), (4096,) * n)]
+    assert dense[2]["step_s"] < dense[1]["step_s"] < dense[0]["step_s"]
+    assert dense[1]["step_s"] == pytest.approx((dense[0]["step_s"] + dense[2]["step_s"]) / 2, rel=1e-9)
+    assert step("striped sparse", (4096, None) * (n // 2), 4096, dense_layers=2,
+                dense=with_causal_layout(sparse, layouts["dense", None]))["dense_layers"] == 1
+    with pytest.raises(ValueError, match="36 sliding-window layers need `sliding`"):
+        predict_step(sparse, dataclasses.replace(base, windows=(4096,) * n), hw, cluster)
 
 
 def test_predicted_estimation_charges_sampled_queries_and_mass_mode():

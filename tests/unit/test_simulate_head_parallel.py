@@ -18,7 +18,7 @@ from hf_sparse_cp.simulator.head_parallel import (
 )
 from hf_sparse_cp.simulator.shapes import MODELS
 from hf_sparse_cp.simulator.simulate import CONFIGURATIONS, Cluster, Link, Workload
-from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, predict_step
+from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, predict_step, with_causal_layout
 
 S, BS = 16384, 128
 
@@ -96,3 +96,21 @@ def test_an_uneven_split_is_charged_for_its_busiest_rank():
     even = predict_head_parallel_step(setup, replace(model, heads=16), hw, cluster, head_size=8)
     assert r["attention_fwd_s"] == pytest.approx(even["attention_fwd_s"], rel=1e-12)
     assert torch.isfinite(torch.tensor(r["step_s"]))
+
+
+def test_sliding_window_layers_run_the_all_to_alls_and_the_ring_over_their_window():
+    """Issue #50: a sliding-window layer under head groups runs the same all-to-alls and ring over its window's
+    layout: with a window as long as the sequence, the step of the causal one; a short window, a shorter step."""
+    model, hw, cluster = MODELS["qwen2.5-3b"], HARDWARE["8xH100-IB400"](), CLUSTERS["8xH100-IB400"]
+    setup = head_parallel_setup(_dense_workload(), 32, 8, BS, "dense", "zigzag")
+
+    def step(window: int | None) -> dict:
+        if window is None:
+            return predict_head_parallel_step(setup, model, hw, cluster, head_size=8)
+        layout = dense_layout(TokenMeta.contiguous(1, S).pad_to(setup.plan.padded_len), BS, window)
+        return predict_head_parallel_step(setup, replace(model, windows=(window,) * model.layers), hw, cluster,
+                                          head_size=8, sliding=with_causal_layout(setup, layout))
+
+    causal, whole, short = step(None), step(S), step(1024)
+    assert whole["sliding_layers"] == model.layers and whole["step_s"] == pytest.approx(causal["step_s"], rel=1e-12)
+    assert short["step_s"] < causal["step_s"]
