@@ -1,4 +1,19 @@
-"""Fields of a transformers model config that both the training path and the predictions on paper read (a leaf)."""
+"""Fields of a transformers model config, and the layers of the model it builds, that both the training path and the
+predictions on paper read (a leaf)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # The fields that give a mixture of experts its expert count (Mixtral, Qwen2-MoE / Qwen3-MoE, OLMoE, DeepSeek).
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers (transformers' `GradientCheckpointingLayer`s), in order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]

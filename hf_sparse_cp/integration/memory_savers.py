@@ -13,8 +13,8 @@ on the model (`patching.record_on`); `disable_memory_savers(model)` restores the
 from __future__ import annotations
 
 import torch
-from transformers.modeling_layers import GradientCheckpointingLayer
 
+from ..config.model_fields import decoder_layers
 from ..memory.offload import HostOffload
 from ..memory.savers import MemorySavers
 from ..memory.tiling import tiled_rows
@@ -24,11 +24,6 @@ from .patching import record_on, undo_recorded
 
 _FEATURE = "memory_savers"
 _LAYER_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp")
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's decoder layers (transformers' `GradientCheckpointingLayer`s), in order."""
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def rowwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

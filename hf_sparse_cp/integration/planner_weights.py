@@ -15,9 +15,8 @@ import logging
 
 import torch
 
-from ..config.model_fields import EXPERT_COUNTS
+from ..config.model_fields import EXPERT_COUNTS, decoder_layers
 from ..distributed.split.documents import linear_weight
-from .memory_savers import decoder_layers
 
 logger = logging.getLogger(__name__)
 

@@ -93,7 +93,7 @@ class Architecture:
         Raises:
             ValueError: `ModelShape.from_config`'s (naming the field and the fix, after `where`).
         """
-        from ..integration.memory_savers import decoder_layers
+        from ..config.model_fields import decoder_layers
 
         where = where or name or getattr(config, "model_type", "the config")
         check_decoder(config, where)  # (before the build, whose own errors would name less)

@@ -75,7 +75,7 @@ def mlp_form(model: torch.nn.Module, config: Any, where: str) -> tuple[bool, flo
         ValueError: no decoder layer with an `mlp`, an MLP of another size, or not one activation module in it; the
             message names the module, the config's fields and the fix, after `where`.
     """
-    from ..integration.memory_savers import decoder_layers
+    from ..config.model_fields import decoder_layers
 
     hidden, width = config.hidden_size, intermediate_width(config)
     layers = decoder_layers(model)
@@ -251,7 +251,7 @@ class ModelShape:
         """Refuse (ValueError naming the numbers, the fields and the fix, after `where`) a `model` whose decoder
         layers' matrices or embedding are not this shape's: a field the model does not read (GPT-NeoX's attention
         has no key/value heads of its own), or attention of another form (latent, multi-query by a flag)."""
-        from ..integration.memory_savers import decoder_layers
+        from ..config.model_fields import decoder_layers
 
         layers = decoder_layers(model)
         matrices = {sum(p.numel() for p in layer.parameters() if p.dim() == 2) for layer in layers}

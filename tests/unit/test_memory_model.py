@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig, configure
 from hf_sparse_cp.cli import main as cli_main
-from hf_sparse_cp.integration.memory_savers import decoder_layers, enable_memory_savers
+from hf_sparse_cp.config.model_fields import decoder_layers
+from hf_sparse_cp.integration.memory_savers import enable_memory_savers
 from hf_sparse_cp.memory import MemorySavers
 from hf_sparse_cp.simulator import memory_cli
 from hf_sparse_cp.simulator.memory_cli import parse_memory
