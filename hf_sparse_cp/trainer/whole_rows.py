@@ -149,15 +149,20 @@ def _hook(model: torch.nn.Module, patches, parallel, prepare, active) -> None:
 
 def _by_name(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The inputs of a forward of `module` called with `args` and `kwargs`, each by its parameter's name (TRL's ORPO
-    and CPO trainers pass input_ids positionally). Raises ValueError, naming the fix, where the forward's signature
-    does not name them."""
+    and CPO trainers pass input_ids positionally), a PEFT model's by its base model's forward. Raises ValueError,
+    naming the fix, where the forward's signature does not name them."""
     if not args:
         return kwargs
+    forward = module.forward
+    # (a PEFT model without a task type, `PeftModel`, takes `*args` and hands them to its base model as they are)
+    if hasattr(module, "get_base_model") and any(parameter.kind is inspect.Parameter.VAR_POSITIONAL
+                                                 for parameter in inspect.signature(forward).parameters.values()):
+        forward = module.get_base_model().forward
     try:
-        bound = inspect.signature(module.forward).bind_partial(*args)
+        bound = inspect.signature(forward).bind_partial(*args)
     except (TypeError, ValueError):
         bound = None
-    parameters = inspect.signature(module.forward).parameters if bound is not None else {}
+    parameters = inspect.signature(forward).parameters if bound is not None else {}
     if bound is None or any(parameters[name].kind is inspect.Parameter.VAR_POSITIONAL for name in bound.arguments):
         raise ValueError(
             f"a forward of {type(module).__name__} under context parallelism got {len(args)} positional inputs that "

@@ -235,8 +235,9 @@ def test_dpo_with_a_cp_schedule_is_refused_at_start_naming_cp_size(tmp_path):
         run_gloo(_with_schedule, 2, str(tmp_path), timeout_s=120)
 
 
-def _train_odds(rank: int, world: int, output_dir: str, name: str, cp: dict) -> dict:
-    """Two steps of TRL's experimental ORPO (`name` "orpo") or CPO ("cpo") trainer and an evaluation on 3 pairs."""
+def _train_odds(rank: int, world: int, output_dir: str, name: str, cp: dict, lora: bool = False) -> dict:
+    """Two steps of TRL's experimental ORPO (`name` "orpo") or CPO ("cpo") trainer and an evaluation on 3 pairs; with
+    `lora`, of a LoRA adapter without a task type (a `PeftModel`, whose forward takes `*args`)."""
     import importlib
 
     from hf_sparse_cp import sparse_arguments_class, sparse_trainer_class
@@ -253,9 +254,14 @@ def _train_odds(rank: int, world: int, output_dir: str, name: str, cp: dict) -> 
                                           "logging_steps", "report_to", "save_strategy", "bf16",
                                           "gradient_checkpointing", "seed", "data_seed")}
     args = sparse_arguments_class(config)(output_dir=output_dir, max_length=256, **settings, **PATTERN, **cp)
+    peft = {}
+    if lora:
+        from peft import LoraConfig
+
+        peft = {"peft_config": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)}
     trainer = sparse_trainer_class(trainer_class)(
         model=model, args=args, train_dataset=datasets.Dataset.from_dict(_pairs()),
-        eval_dataset=datasets.Dataset.from_dict(_pairs(3, seed=3)), processing_class=tokenizer)
+        eval_dataset=datasets.Dataset.from_dict(_pairs(3, seed=3)), processing_class=tokenizer, **peft)
     trainer.train()
     evaluation = trainer.evaluate()
     logs = [log for log in trainer.state.log_history if "loss" in log]
@@ -267,25 +273,34 @@ def _train_odds(rank: int, world: int, output_dir: str, name: str, cp: dict) -> 
             "weights": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}}
 
 
-@pytest.mark.parametrize("name", ["orpo", "cpo"])
-def test_orpo_and_cpo_under_cp2_equal_one_process(tmp_path, name):
+@pytest.mark.parametrize(("name", "lora"), [("orpo", False), ("cpo", False), ("orpo", True)],
+                         ids=["orpo", "cpo", "orpo-lora"])
+def test_orpo_and_cpo_under_cp2_equal_one_process(tmp_path, name, lora):
     """TRL's experimental ORPO and CPO trainers batch `chosen_input_ids` and `rejected_input_ids`, no `input_ids`: the
     plugin's tokens/s count raised 'context-parallel inputs need `input_ids`' at the first step of a run without CP.
     They train with sparse attention, and under CP 2 (where they were refused at start) as one process: their forward
     passes input_ids positionally (sharded by the forward's parameter name), and its logits come back whole on every
     rank, so TRL's odds-ratio (ORPO) or contrastive (CPO) loss, its NLL term, rewards and metrics of two steps and of an
-    evaluation, and the weights after two SGD steps are one process's."""
-    one = run_gloo(_train_odds, 1, str(tmp_path / "one"), name, {}, timeout_s=300)[0]
+    evaluation, and the weights after two SGD steps are one process's. So with a LoRA adapter without a task type
+    (a `PeftModel`, whose forward takes `*args`: its input_ids are named by its base model's forward; they were
+    refused)."""
+    one = run_gloo(_train_odds, 1, str(tmp_path / "one"), name, {}, lora, timeout_s=300)[0]
     assert one["logs"][0]["loss"] != pytest.approx(one["logs"][1]["loss"])  # (it trained)
     assert any(0 < log.get("sparse/kept_fraction", 1) < 1 for log in one["logs"])  # the sparse path ran
     assert "nll_loss" in one["logs"][0] and "eval_rewards/margins" in one["eval"]
-    for rank in run_gloo(_train_odds, 2, str(tmp_path / "cp2"), name, {"cp_size": 2}, timeout_s=300):
-        for got, want in zip([*rank["logs"], rank["eval"]], [*one["logs"], one["eval"]], strict=True):
-            assert got.keys() == want.keys()
-            for key in want:
-                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-5), (key, got[key], want[key])
-        for param, want in one["weights"].items():
-            assert torch.allclose(rank["weights"][param], want, rtol=1e-5, atol=1e-6), param
+    for rank in run_gloo(_train_odds, 2, str(tmp_path / "cp2"), name, {"cp_size": 2}, lora, timeout_s=300):
+        _assert_one_process(rank, one, abs_tol=1e-5)
+
+
+def _assert_one_process(run: dict, one: dict, abs_tol: float) -> None:
+    """`run`'s logs and evaluation are `one`'s (each value within 1e-5 relative, or `abs_tol`), and so are its
+    weights (1e-5 relative, 1e-6 absolute)."""
+    for got, want in zip([*run["logs"], run["eval"]], [*one["logs"], one["eval"]], strict=True):
+        assert got.keys() == want.keys()
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=abs_tol), (key, got[key], want[key])
+    for name, want in one["weights"].items():
+        assert torch.allclose(run["weights"][name], want, rtol=1e-5, atol=1e-6), name
 
 REWARD_LOGGED = ("loss", "grad_norm", "min_reward", "mean_reward", "max_reward", "accuracy", "margin", "num_tokens")
 
@@ -360,11 +375,6 @@ def test_reward_under_cp_equals_one_process(tmp_path, cp, settings, lora, world)
     assert one["logs"][0]["loss"] != pytest.approx(one["logs"][1]["loss"])  # (it trained)
     assert any(0 < kept < 1 for kept in one["kept"])  # the sparse path ran
     for rank in run_gloo(_train_reward, world, str(tmp_path / "cp"), cp, settings, lora, eval_rows, timeout_s=300):
-        for got, want in zip([*rank["logs"], rank["eval"]], [*one["logs"], one["eval"]], strict=True):
-            assert got.keys() == want.keys()
-            for key in want:
-                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (key, got[key], want[key])
-        for name, want in one["weights"].items():
-            assert torch.allclose(rank["weights"][name], want, rtol=1e-5, atol=1e-6), name
+        _assert_one_process(rank, one, abs_tol=1e-6)
         # (each rank's forward took half of each of its rows: a DP group's longest row is at most the batch's)
         assert all(2 * n <= m + 64 for n, m in zip(rank["lengths"][:2], one["lengths"][:2])), rank["lengths"]

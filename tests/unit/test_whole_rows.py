@@ -56,3 +56,22 @@ def test_positional_inputs_are_named_by_the_forwards_signature_and_refused_where
     with pytest.raises(ValueError, match=r"got 1 positional inputs that its signature does not name.*pass them by "
                                          "name"):
         _by_name(Anonymous(), (rows["input_ids"],), {})
+
+
+def test_a_peft_model_s_positional_inputs_are_named_by_its_base_model_s_forward():
+    """A LoRA adapter without a task type (TRL's ORPO given `LoraConfig(...)`) is a `PeftModel`, whose forward takes
+    `*args` and hands them to its base model: its input_ids, passed positionally, are named by the base model's
+    forward (they were refused, naming a fix the trainer's caller cannot apply)."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    base = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                        head_dim=16))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert type(model) is peft.PeftModel  # (its forward: *args, **kwargs)
+    rows = _rows()
+    named = _by_name(model, (rows["input_ids"], rows["attention_mask"]), {"use_cache": False})
+    assert named.keys() == {"input_ids", "attention_mask", "use_cache"}
+    assert named["input_ids"] is rows["input_ids"] and named["attention_mask"] is rows["attention_mask"]
