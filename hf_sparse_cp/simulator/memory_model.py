@@ -30,6 +30,7 @@ from typing import Literal
 
 from ..attention import build, reference, scoring
 from ..config import SparseAttentionConfig
+from ..config.model_fields import decoder_layers
 from ..distributed.heads.split import HeadSplit
 from ..memory.savers import MemorySavers
 from .kept_curve import DEFAULT_CURVE, KeptCurve
@@ -93,8 +94,6 @@ class Architecture:
         Raises:
             ValueError: `ModelShape.from_config`'s (naming the field and the fix, after `where`).
         """
-        from ..config.model_fields import decoder_layers
-
         where = where or name or getattr(config, "model_type", "the config")
         check_decoder(config, where)  # (before the build, whose own errors would name less)
         model = meta_model(config, where)

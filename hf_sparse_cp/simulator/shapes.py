@@ -1,8 +1,8 @@
 """Decoder shapes the simulator's predictions take (step time, `step_model.py`; memory,
 `memory_model.py`): `ModelShape`, the presets `MODELS`, and any causal LM's shape from its transformers config
 (`ModelShape.from_config`, which reads the MLP's form off the model that transformers builds from the config on the
-meta device). It imports nothing of the package but the config fields it shares with training (`config.model_fields`)
-and, to build that model, how training finds its decoder layers."""
+meta device). It imports nothing of the package but what it shares with training of a config and of the model built
+from it (`config.model_fields`: the expert counts, the decoder layers)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from ..config.model_fields import EXPERT_COUNTS  # (the predictions count one dense MLP per layer: refused)
+# (EXPERT_COUNTS: the predictions count one dense MLP per layer, a mixture of experts is refused)
+from ..config.model_fields import EXPERT_COUNTS, decoder_layers
 
 # The fields of a decoder's config the predictions read (transformers' standard names; the MLP's width also under
 # GPT-2's `n_inner`, `intermediate_width`).
@@ -75,8 +76,6 @@ def mlp_form(model: torch.nn.Module, config: Any, where: str) -> tuple[bool, flo
         ValueError: no decoder layer with an `mlp`, an MLP of another size, or not one activation module in it; the
             message names the module, the config's fields and the fix, after `where`.
     """
-    from ..config.model_fields import decoder_layers
-
     hidden, width = config.hidden_size, intermediate_width(config)
     layers = decoder_layers(model)
     mlp = getattr(layers[0], "mlp", None) if layers else None
@@ -251,8 +250,6 @@ class ModelShape:
         """Refuse (ValueError naming the numbers, the fields and the fix, after `where`) a `model` whose decoder
         layers' matrices or embedding are not this shape's: a field the model does not read (GPT-NeoX's attention
         has no key/value heads of its own), or attention of another form (latent, multi-query by a flag)."""
-        from ..config.model_fields import decoder_layers
-
         layers = decoder_layers(model)
         matrices = {sum(p.numel() for p in layer.parameters() if p.dim() == 2) for layer in layers}
         embedding = tuple(model.get_input_embeddings().weight.shape)
