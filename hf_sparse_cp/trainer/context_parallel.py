@@ -563,14 +563,14 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     (`whole_sequence_outputs`), and its labels are the batch's (the stock step and TRL's read them before sharding):
     `preprocess_logits_for_metrics`, `compute_metrics` and `predict()` see what one process gives them; label
     smoothing is the CP group's (`smooth_labels_over_cp_group`), and NEFTune's noise one process's
-    (`neftune_over_cp_group`). A trainer whose loss is built from the per-token outputs of whole rows (TRL's
-    DPOTrainer and KTOTrainer, `compat.cp_whole_row_losses`) gets its batches whole instead: each forward of its model
-    and reference model in a step is sharded and its outputs gathered back into the whole rows (`whole_rows.py`), so
-    its loss and the metrics it gathers are the batch's on every rank of the group. A sequence-classification or
-    question-answering head (`heads.BATCH_OUTPUT_HEADS`) computes the batch's outputs on every rank of a CP forward
-    (`heads.pool_over_cp_group`, hooked here) and the batch's loss from them: the step takes the rank's share of it
-    (`model_loss_share`), and a prediction step returns those outputs as they are (hidden states after them gathered).
-    `parallel()` is the CP layout of the step in progress (constant, or a curriculum's stage)."""
+    (`neftune_over_cp_group`). A trainer whose loss is built from the outputs of whole rows (TRL's DPO, KTO and Reward
+    trainers, the experimental ORPO and CPO: `compat.cp_whole_row_losses`) gets its batches whole instead: each forward
+    of its model and reference model in a step is sharded and its outputs gathered back into the whole rows
+    (`whole_rows.py`), so its loss and the metrics it gathers are the batch's on every rank of the group. A
+    sequence-classification or question-answering head (`heads.BATCH_OUTPUT_HEADS`) computes the batch's outputs on
+    every rank of a CP forward (`heads.pool_over_cp_group`, hooked here) and the batch's loss from them: the step takes
+    the rank's share of it (`model_loss_share`), and a prediction step returns those outputs as they are (hidden states
+    after them gathered). `parallel()` is the CP layout of the step in progress (constant, or a curriculum's stage)."""
     training_step, prediction_step, compute_loss = trainer.training_step, trainer.prediction_step, trainer.compute_loss
     in_step = [False]  # (`_gather_metrics_once_per_cp_group`: what a step gathers is its shard's)
     predicting = [False]

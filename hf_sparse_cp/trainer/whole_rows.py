@@ -78,10 +78,11 @@ def whole_sequence_outputs(outputs: Any, shard: CPShard, what: str = "a predicti
 
 
 def check_whole_row_trainer(trainer, cp_size: int) -> None:
-    """Raise ValueError, naming the setting and the fix, for a setting of a whole-row trainer (TRL's DPO, KTO) that
-    CP cannot run as one process does: a MoE's load-balancing loss (TRL's `aux_loss_enabled`, or a model config that
-    asks for router logits, which TRL's fused head then adds to its loss): it multiplies means over all the tokens of
-    the batch, which no rank's shard gives, and these trainers are not tested with `router_loss.py`'s gather."""
+    """Raise ValueError, naming the setting and the fix, for a setting of a whole-row trainer (TRL's DPO, KTO, Reward,
+    experimental ORPO, CPO) that CP cannot run as one process does: a MoE's load-balancing loss (TRL's
+    `aux_loss_enabled`, or a model config that asks for router logits, which TRL's fused head then adds to its loss):
+    it multiplies means over all the tokens of the batch, which no rank's shard gives, and these trainers are not
+    tested with `router_loss.py`'s gather."""
     config = getattr(trainer.model, "config", None)
     routed = config is not None and getattr(config.get_text_config(), "output_router_logits", False)
     if getattr(trainer, "aux_loss_enabled", False) or routed:
