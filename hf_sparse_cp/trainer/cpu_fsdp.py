@@ -71,12 +71,12 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
 
 
 def check_cpu_fsdp_version(args: TrainingArguments, env: Mapping[str, str] = os.environ) -> None:
-    """Raise ValueError, naming the fix, when `args` (their `--fsdp`, else accelerate launch's FSDP variables in
-    `env`) ask for FSDP version 1 on CPU processes: accelerate's FSDP1 plugin finds no device there (and FSDP1 refuses
-    a CPU one), which each process met only as its Trainer built the accelerator, after the data; for CPU offload,
-    whose pinned memory needs an accelerator; or with what the Trainer refuses under FSDP
-    (`--activation_checkpointing` beside FSDP's own, `--save_only_model` with `--load_best_model_at_end`). Call it on a
-    machine without accelerator."""
+    """Raise ValueError, naming the fix, when `args` (their `--fsdp`, else accelerate launch's FSDP variables in `env`,
+    which also give a setting that `--fsdp` leaves unset, as the FSDP plugin reads them) ask for FSDP version 1 on CPU
+    processes: accelerate's FSDP1 plugin finds no device there (and FSDP1 refuses a CPU one), which each process met
+    only as its Trainer built the accelerator, after the data; for CPU offload, whose pinned memory needs an
+    accelerator; or with what the Trainer refuses under FSDP (`--activation_checkpointing` beside FSDP's own,
+    `--save_only_model` with `--load_best_model_at_end`). Call it on a machine without accelerator."""
     if args.fsdp_plugin_args is not None:
         version, where = args.fsdp_plugin_args["fsdp_version"], "--fsdp_config's version"
         fix = "--fsdp_config '{\"fsdp_version\": 2}'"
@@ -92,20 +92,16 @@ def check_cpu_fsdp_version(args: TrainingArguments, env: Mapping[str, str] = os.
                          f"{fix} (FSDP2, which the plugin runs on CPU processes over gloo).")
     # CPU offload pins the sharded parameters in host memory for an accelerator: FSDP2 failed at `train()`, as it
     # sharded the model after the data ('Cannot access accelerator device when none is available').
-    if args.fsdp_plugin_args is not None:
-        offload = args.fsdp_plugin_args.get("cpu_offload")
-        drop = "drop offload from --fsdp (cpu_offload from --fsdp_config)"
-    else:
-        offload = str_to_bool(env.get("FSDP_OFFLOAD_PARAMS", "false"))
-        drop = "set fsdp_offload_params: false in the accelerate config"
+    offload, from_flags = _plugin_setting(args, env, "cpu_offload", "FSDP_OFFLOAD_PARAMS")
+    drop = ("drop offload from --fsdp (cpu_offload from --fsdp_config)" if from_flags else
+            "set fsdp_offload_params: false in the accelerate config")
     if offload:
         raise ValueError("FSDP's CPU offload pins the parameters in host memory for an accelerator, and this machine "
                          f"has none (the parameters already live in CPU memory): {drop}.")
     # The Trainer refuses these pairs as it builds its accelerator, where FSDP runs; on CPU processes FSDP2 starts after
     # that (`enable_cpu_fsdp2`): a run trained with both checkpointings on, and one with the second pair trained to
     # its end, then failed reloading the best checkpoint's FSDP state
-    own_checkpointing = (args.fsdp_plugin_args.get("activation_checkpointing") if args.fsdp_plugin_args is not None
-                         else str_to_bool(env.get("FSDP_ACTIVATION_CHECKPOINTING", "false")))
+    own_checkpointing, _ = _plugin_setting(args, env, "activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING")
     if own_checkpointing and getattr(args, "activation_checkpointing", False):  # (transformers >= 5.2x: attach.py)
         raise ValueError("--activation_checkpointing and FSDP's own activation checkpointing (activation_checkpointing "
                          "in the FSDP config) cannot both be on: drop --activation_checkpointing (FSDP's own avoids "
@@ -114,6 +110,16 @@ def check_cpu_fsdp_version(args: TrainingArguments, env: Mapping[str, str] = os.
         raise ValueError("--load_best_model_at_end under FSDP reloads the best checkpoint's FSDP state "
                          "(pytorch_model_fsdp.bin), which --save_only_model does not save: drop --save_only_model or "
                          "--load_best_model_at_end.")
+
+
+def _plugin_setting(args: TrainingArguments, env: Mapping[str, str], key: str, variable: str) -> tuple[bool, bool]:
+    """(on, whether the flags set it) of the FSDP plugin's boolean setting `key` as accelerate's plugin reads it: from
+    --fsdp / --fsdp_config, else from accelerate launch's FSDP_* `variable` in `env` (the plugin's own fallback for a
+    setting they leave unset: an accelerate config's, under --fsdp too)."""
+    value = (args.fsdp_plugin_args or {}).get(key)
+    if value is not None:
+        return bool(value), True
+    return str_to_bool(env.get(variable, "false")) == 1, False
 
 
 def disable_cpu_fsdp2(trainer: Trainer) -> None:

@@ -181,6 +181,27 @@ def test_what_the_trainer_refuses_under_fsdp_is_refused_without_accelerator_as_t
         parse()
 
 
+@pytest.mark.parametrize("variable, flags, message", [
+    ("FSDP_ACTIVATION_CHECKPOINTING", ("--activation_checkpointing", "true"),
+     r"^--activation_checkpointing and FSDP's own activation checkpointing"),
+    ("FSDP_OFFLOAD_PARAMS", (), r"set fsdp_offload_params: false in the accelerate config\.$"),
+], ids=["two-checkpointings", "offload"])
+def test_an_accelerate_configs_fsdp_setting_under_the_fsdp_flag_is_refused_without_accelerator(
+        tmp_path, monkeypatch, variable, flags, message):
+    """`accelerate launch` of an FSDP config beside --fsdp: the FSDP plugin takes what --fsdp and --fsdp_config leave
+    unset from the config's FSDP_* variables, and the refusals read --fsdp's alone, so both checkpointings trained on
+    (the plugin built from these flags held activation_checkpointing=True), and CPU offload passed to fail in
+    `train()`."""
+    monkeypatch.setattr(sparse_trainer, "_has_accelerator", lambda: False)
+    for name, value in (("ACCELERATE_USE_FSDP", "true"), ("FSDP_VERSION", "2"), (variable, "true")):
+        monkeypatch.setenv(name, value)
+    with parsing_for_launch(), pytest.raises(ValueError, match=message) as refused:
+        HfArgumentParser(SparseTrainingArguments).parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--report_to", "none", "--fsdp", "full_shard", "--fsdp_config",
+             '{"version": 2}', *flags])
+    assert is_flag_error(refused.value)
+
+
 def test_fsdp_cpu_offload_in_a_process_without_accelerator_is_refused_as_its_flags_parse(tmp_path, monkeypatch):
     """`--fsdp "full_shard auto_wrap offload"` (or an accelerate config's fsdp_offload_params) on CPU processes passed
     the flags and failed in `train()` as FSDP2 sharded the model, after the data: 'Cannot access accelerator device
