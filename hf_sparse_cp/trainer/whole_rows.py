@@ -132,8 +132,9 @@ def _hook(model: torch.nn.Module, patches, parallel, prepare, active) -> None:
     def shard(module, args, kwargs):
         if not active() or parallel().cp_size == 1 or kwargs.get(CP_SHARD_KWARG) is not None:
             return None
-        inputs = _sharded_inputs(type(module).__name__, _by_name(module, args, kwargs), prepare)
-        sharded_here[inputs[CP_SHARD_KWARG]] = kwargs.get("labels") is not None and kwargs.get("shift_labels") is None
+        named = _by_name(module, args, kwargs)  # (labels may come positionally too)
+        inputs = _sharded_inputs(type(module).__name__, named, prepare)
+        sharded_here[inputs[CP_SHARD_KWARG]] = named.get("labels") is not None and named.get("shift_labels") is None
         return (), inputs
 
     def gather(module, args, kwargs, output):
