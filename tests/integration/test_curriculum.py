@@ -16,7 +16,13 @@ from hf_sparse_cp.attention.budgets import Mass
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.distributed import CP_SHARD_KWARG, ParallelDims, RingTopology
 from hf_sparse_cp.trainer.checkpoints import MARKER
-from hf_sparse_cp.trainer.curriculum import StageBatchSampler, StageSamples, build_schedule, check_schedule_flags
+from hf_sparse_cp.trainer.curriculum import (
+    StageBatchSampler,
+    StageSamples,
+    build_schedule,
+    check_row_lengths,
+    check_schedule_flags,
+)
 from hf_sparse_cp.trainer.schedule import parse_schedule
 
 SCHEDULE = "0:128:1,2:256:2,4:512:4:vertical_topk=32:cp_mode=hybrid:cp_ulysses_size=2"
@@ -262,6 +268,26 @@ def test_stage_samples_crop_every_token_field():
     item = StageSamples(data)[(0, 4)]
     assert item["input_ids"].tolist() == [0, 1, 2, 3] and item["attention_mask"].shape == (4,)
     assert item["weights"].shape == (3,) and item["score"] == 1.0
+
+
+def test_stage_samples_of_embeddings_crop_them_and_every_token_field():
+    """A script passing inputs_embeds in place of input_ids (a vision-language model's merged embeddings): before,
+    every stage raised KeyError: 'input_ids' when the run began."""
+    data = [{"inputs_embeds": torch.randn(10, 8), "labels": torch.arange(10), "weights": torch.ones(3)}]
+    item = StageSamples(data)[(0, 4)]
+    assert item["inputs_embeds"].shape == (4, 8) and torch.equal(item["inputs_embeds"], data[0]["inputs_embeds"][:4])
+    assert item["labels"].tolist() == [0, 1, 2, 3] and item["weights"].shape == (3,)
+    with pytest.raises(ValueError, match="neither input_ids nor inputs_embeds to measure it by"):
+        StageSamples([{"labels": torch.arange(10)}])[(0, 4)]
+
+
+def test_a_stage_longer_than_samples_of_embeddings_is_refused_naming_their_length():
+    data = [{"inputs_embeds": torch.randn(192, 4), "labels": torch.arange(192)}] * 2
+    collate = lambda rows: {key: torch.stack([r[key] for r in rows]) for key in rows[0]}  # noqa: E731
+    check_row_lengths(_build("0:128:1,1:192:1", world=1, max_steps=2), data, collate, 2)
+    with pytest.raises(ValueError, match=re.escape("stage 1 (1:256:1) would train rows of 192 tokens, not 256: the "
+                                                   "samples hold 192 tokens")):
+        check_row_lengths(_build("0:128:1,1:256:1", world=1, max_steps=2), data, collate, 2)
 
 
 # ---- 4 gloo processes through the Trainer ----
