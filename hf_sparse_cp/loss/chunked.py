@@ -12,7 +12,7 @@ Layers, bottom up:
 (`dispatch.py`): a batch without targets gets a zero gradient, never 0 * (1 / 0) = NaN.
 
 Peak extra memory is one chunk of logits (fp32, plus a low-precision copy for bf16/fp16
-inputs) and an fp32 accumulator of the weight gradient, never O(N x V).
+inputs) and an fp32 (fp64 for fp64 weights) accumulator of the weight gradient, never O(N x V).
 """
 
 from __future__ import annotations
@@ -98,9 +98,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         norm = normalizer.to(device=hidden.device, dtype=torch.float32)
         inv_norm = gradient_scale(norm)
         grad_h = torch.empty_like(hidden) if need_h else None
-        # The weight and bias gradients sum over all chunks: accumulate them in fp32.
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        # The weight and bias gradients sum over all chunks: accumulate them in fp32, or in the weight's own dtype
+        # where it is wider (fp64: summed in fp32, the chunks' order would change them at fp32's rounding).
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
@@ -110,12 +112,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if grad is None:
                 continue
             if grad_b is not None:
-                grad_b += grad.sum(0)
+                grad_b += grad.sum(0, dtype=acc)
             grad = grad.to(hidden.dtype)  # same rounding as autograd through `logits.float()`
             if grad_h is not None:
                 torch.mm(grad, weight, out=grad_h[rows])
             if grad_w is not None:
-                if grad.dtype == torch.float32:
+                if grad.dtype == acc:
                     grad_w.addmm_(grad.t(), h)
                 else:
                     grad_w += grad.t() @ h
@@ -166,7 +168,7 @@ def chunked_linear_cross_entropy(
         (NaN = 0 / 0 for a batch without targets and a normalizer of 0, as there).
         Gradients w.r.t. hidden, weight and bias are exact (zero, not NaN, without targets); they are
         computed during forward, one chunk at a time, with fp32 logsumexp and fp32 accumulation of the
-        weight gradient. Under autocast, inputs are cast to the autocast dtype.
+        weight gradient (fp64 for fp64 weights). Under autocast, inputs are cast to the autocast dtype.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(

@@ -234,9 +234,20 @@ _LAST_START = ("cp_schedule's last stage starts at step {0}, at or after --max_s
                "or start the stage earlier.")
 
 
+def sample_length(sample: dict[str, Any]) -> int:
+    """The tokens of a sample: its input_ids', or its inputs_embeds' ([tokens, hidden]: a script or a vision-language
+    model passing embeddings)."""
+    for key in ("input_ids", "inputs_embeds"):
+        if key in sample:
+            return len(sample[key])
+    raise ValueError(f"a cp_schedule crops each sample to its stage's length, and this sample has neither input_ids "
+                     f"nor inputs_embeds to measure it by (its fields: {sorted(sample)}): give one of them.")
+
+
 class StageSamples(torch.utils.data.Dataset):
     """`dataset[index]` cropped to a length: items are `(index, seq_len)`; every field as long as the
-    sample's input_ids (labels, attention_mask, position_ids, ...) keeps its first `seq_len` tokens."""
+    sample's input_ids or inputs_embeds (labels, attention_mask, position_ids, ...) keeps its first `seq_len`
+    tokens."""
 
     def __init__(self, dataset) -> None:
         self.dataset = dataset
@@ -247,7 +258,7 @@ class StageSamples(torch.utils.data.Dataset):
     def __getitem__(self, item: tuple[int, int]) -> dict[str, Any]:
         index, seq_len = item
         sample = self.dataset[index]
-        length = len(sample["input_ids"])
+        length = sample_length(sample)
         return {k: v[:seq_len] if _is_sequence(v) and len(v) == length else v for k, v in sample.items()}
 
 
@@ -548,7 +559,7 @@ def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int) ->
         ids = batch.get("inputs_embeds") if ids is None else ids
         if ids is None or ids.shape[1] == stage.seq_len:
             continue
-        row, longest = ids.shape[1], max(len(dataset[k]["input_ids"]) for k in range(n))
+        row, longest = ids.shape[1], max(sample_length(dataset[k]) for k in range(n))
         why = (f"the samples hold {longest} tokens, and a stage crops samples to its length but never extends "
                f"them: give samples of at least {max(s.seq_len for s in schedule.stages)} tokens (the longest stage; "
                "--sparse_max_length in the example script), or shorten the stage" if row < stage.seq_len else

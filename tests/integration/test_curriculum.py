@@ -3,7 +3,8 @@ run-long batch sampler, then 4 gloo processes training through CP 1 x DP 4 -> CP
 x DP 1 (hybrid: heads over 2 ranks x a ring of 2) in one Trainer run, compared with the same stages run as
 three jobs chained through checkpoints (DDP; AdamW and SMET), and a resume from a checkpoint saved in the
 middle stage; then FSDP2 over the 4 ranks (functional API) through CP and mode switches against one
-process; and 2 processes through a CP switch, each step against one process on the samples it took."""
+process; and 2 processes through a CP switch, each step against one process on the samples it took, and on
+inputs_embeds as on their token ids."""
 
 import os
 import re
@@ -16,7 +17,13 @@ from hf_sparse_cp.attention.budgets import Mass
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.distributed import CP_SHARD_KWARG, ParallelDims, RingTopology
 from hf_sparse_cp.trainer.checkpoints import MARKER
-from hf_sparse_cp.trainer.curriculum import StageBatchSampler, StageSamples, build_schedule, check_schedule_flags
+from hf_sparse_cp.trainer.curriculum import (
+    StageBatchSampler,
+    StageSamples,
+    build_schedule,
+    check_row_lengths,
+    check_schedule_flags,
+)
 from hf_sparse_cp.trainer.schedule import parse_schedule
 
 SCHEDULE = "0:128:1,2:256:2,4:512:4:vertical_topk=32:cp_mode=hybrid:cp_ulysses_size=2"
@@ -264,6 +271,26 @@ def test_stage_samples_crop_every_token_field():
     assert item["weights"].shape == (3,) and item["score"] == 1.0
 
 
+def test_stage_samples_of_embeddings_crop_them_and_every_token_field():
+    """A script passing inputs_embeds in place of input_ids (a vision-language model's merged embeddings): before,
+    every stage raised KeyError: 'input_ids' when the run began."""
+    data = [{"inputs_embeds": torch.randn(10, 8), "labels": torch.arange(10), "weights": torch.ones(3)}]
+    item = StageSamples(data)[(0, 4)]
+    assert item["inputs_embeds"].shape == (4, 8) and torch.equal(item["inputs_embeds"], data[0]["inputs_embeds"][:4])
+    assert item["labels"].tolist() == [0, 1, 2, 3] and item["weights"].shape == (3,)
+    with pytest.raises(ValueError, match="neither input_ids nor inputs_embeds to measure it by"):
+        StageSamples([{"labels": torch.arange(10)}])[(0, 4)]
+
+
+def test_a_stage_longer_than_samples_of_embeddings_is_refused_naming_their_length():
+    data = [{"inputs_embeds": torch.randn(192, 4), "labels": torch.arange(192)}] * 2
+    collate = lambda rows: {key: torch.stack([r[key] for r in rows]) for key in rows[0]}  # noqa: E731
+    check_row_lengths(_build("0:128:1,1:192:1", world=1, max_steps=2), data, collate, 2)
+    with pytest.raises(ValueError, match=re.escape("stage 1 (1:256:1) would train rows of 192 tokens, not 256: the "
+                                                   "samples hold 192 tokens")):
+        check_row_lengths(_build("0:128:1,1:256:1", world=1, max_steps=2), data, collate, 2)
+
+
 # ---- 4 gloo processes through the Trainer ----
 
 NUM_SAMPLES, SAMPLE_LEN, MAX_STEPS = 16, 512, 6
@@ -472,6 +499,41 @@ def test_fsdp2_shards_stay_in_place_through_cp_switches_and_train_like_one_proce
         for got, want in r["fsdp2"]["losses"]:
             assert abs(got - want) <= 1e-9 * abs(want)
         assert r["fsdp2"]["weights"] < 1e-9
+
+
+def _embeddings_or_ids(rank: int, world: int, out: str, embeddings: bool) -> tuple[list, dict]:
+    """Three steps of `0:128:1,1:256:2` (CP 1 x DP 2, then CP 2) on a model with a frozen, untied embedding, fed the
+    token ids or their embeddings (inputs_embeds, as a script or a vision-language model passes them): the losses
+    and the trained weights."""
+    from transformers import AutoModelForCausalLM, default_data_collator
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainer
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", tie_word_embeddings=False))
+    table = model.get_input_embeddings().weight.requires_grad_(False)
+    samples = _stage_data(_samples(), 0, NUM_SAMPLES, 256)
+    if embeddings:
+        samples = [{"inputs_embeds": table[s["input_ids"]].detach(), "labels": s["labels"]} for s in samples]
+    trainer = SparseTrainer(model=model, args=_args(out, False, cp_schedule="0:128:1,1:256:2", max_steps=3),
+                            train_dataset=samples, data_collator=default_data_collator)
+    trainer.train()
+    return ([log["loss"] for log in trainer.state.log_history if "loss" in log],
+            {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad})
+
+
+def test_a_cp_switch_trains_on_embeddings_as_on_their_token_ids(tmp_path):
+    """Samples of inputs_embeds through a CP switch: before, the run raised KeyError: 'input_ids' as it began."""
+    from hf_sparse_cp.testing.spawn import run_gloo_each
+
+    runs = run_gloo_each({kind: (_embeddings_or_ids, (str(tmp_path / kind), kind == "embeds"))
+                          for kind in ("ids", "embeds")}, 2, timeout_s=300)
+    for (ids_losses, ids_weights), (losses, weights) in zip(runs["ids"], runs["embeds"]):
+        assert len(losses) == 3 and losses == pytest.approx(ids_losses, rel=1e-6)
+        for name, want in ids_weights.items():
+            torch.testing.assert_close(weights[name], want, rtol=1e-6, atol=1e-7, msg=name)
 
 
 # ---- one process: what a stage trains, and what it leaves behind (issue #31) ----

@@ -102,6 +102,20 @@ def test_chunked_low_precision_is_as_accurate_as_stock(dtype, chunk_size):
         assert _rel_err(g, e) <= 2 * _rel_err(s, e) + 4 * eps
 
 
+@pytest.mark.parametrize("chunk_size", [7, 64], ids=lambda c: f"chunk_{c}")
+def test_chunked_fp64_gradients_do_not_depend_on_the_chunks(chunk_size):
+    """In float64 (the dtype the CP tests compare in) the head and bias gradients, summed over the chunks, keep fp64:
+    summed in fp32 they moved by 1e-8 with the chunking, as they do when a CP shard sums its tokens in another order.
+    (Their per-token terms are fp32's, as the stock loss's on `logits.float()`.)"""
+    hidden, weight, b, labels = _problem(torch.float64, bias=True)
+    _, grads = _chunked(hidden, weight, b, labels, chunk_size=chunk_size)
+    _, whole = _chunked(hidden, weight, b, labels, chunk_size=hidden.shape[0] * hidden.shape[1])
+    _, stock_grads = _stock(hidden, weight, b, labels)
+    for g, w, s in zip(grads, whole, stock_grads):
+        assert g.dtype == torch.float64
+        assert _rel_err(g, w) < 1e-14 and _rel_err(g, s) < 1e-6
+
+
 def test_all_tokens_ignored_with_num_items_gives_zero_loss_and_grads():
     hidden, weight, _, labels = _problem(torch.float32)
     labels.fill_(-100)
