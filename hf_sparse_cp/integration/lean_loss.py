@@ -7,7 +7,11 @@ hidden states (liger-kernel on CUDA when installed, chunked PyTorch otherwise) a
 `logits=None`, like liger-kernel does. It takes this path only for models configured for the plugin
 (`hf_sparse_cp.configure(model)`, or the Trainer glue: their config holds `sparse_attention`), and
 only when it can reproduce the stock loss: training mode, labels or `shift_labels` given, the default
-`ForCausalLM` loss, a plain linear `lm_head` with a local weight, no logit soft-capping. Every other
+`ForCausalLM` loss, a plain linear `lm_head` with a local weight or sharded by FSDP2, no logit soft-capping.
+An FSDP2-sharded head (accelerate shards it with the final norm as one unit) computes the loss inside a
+call of the module, so that FSDP2's hooks gather its weight for it and reduce-scatter its gradient after,
+as around the stock forward's `lm_head(hidden)` (before, the lean path was never taken under FSDP2: every
+training step built the full logits). Every other
 call, and every other model, goes to the original forward, unchanged. One difference: stock computes
 a loss only when `labels` is given, the lean path also from `shift_labels` alone (as liger-kernel
 does), which is how context parallelism passes them.
@@ -42,6 +46,20 @@ def _is_distributed_tensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def _is_fsdp2_module(module: torch.nn.Module) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def _through_fsdp2(lm_head: torch.nn.Module) -> bool:
+    """Whether `lm_head` is a module of an FSDP2 unit (its weight sharded outside the unit's forward) whose
+    forward the lean path can run the loss in (`_head_loss`): no forward of its instance's own."""
+    return _is_fsdp2_module(lm_head) and "forward" not in vars(lm_head)
+
+
 def _takes_lean_path(model, labels, shift_labels) -> bool:
     lm_head = model.lm_head
     return (
@@ -54,9 +72,28 @@ def _takes_lean_path(model, labels, shift_labels) -> bool:
         and getattr(model.config, "final_logit_softcapping", None) is None
         # A PEFT-wrapped head (LoRA, modules_to_save) is not an nn.Linear: its weight alone is not the head.
         and isinstance(lm_head, torch.nn.Linear)
-        # A sharded weight (FSDP2 outside its unsharded forward) must go through the module's hooks.
-        and not _is_distributed_tensor(lm_head.weight)
+        # A sharded weight (FSDP2 outside its unsharded forward) goes through the module's hooks (`_head_loss`);
+        # another distributed weight (tensor parallelism) takes the stock forward.
+        and (not _is_distributed_tensor(lm_head.weight) or _through_fsdp2(lm_head))
     )
+
+
+def _head_loss(lm_head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, **loss_kwargs) -> torch.Tensor:
+    """`linear_cross_entropy` of `lm_head` over `hidden`: computed directly from a local weight, or, for a module of
+    an FSDP2 unit, as the forward of a call of the module, whose hooks unshard the weight for it (the unit's final norm
+    may have already), end the unit's forward and reduce-scatter its gradient in the backward, as for the stock
+    `lm_head(hidden)`."""
+
+    def loss(h: torch.Tensor) -> torch.Tensor:  # (the weight as it is inside the call: FSDP2's unsharded one)
+        return linear_cross_entropy(h, lm_head.weight, labels, bias=lm_head.bias, **loss_kwargs)
+
+    if not _is_fsdp2_module(lm_head):
+        return loss(hidden)
+    lm_head.forward = loss  # (the instance's forward for this one call: `_through_fsdp2` checked it had none)
+    try:
+        return lm_head(hidden)
+    finally:
+        del lm_head.forward
 
 
 # transformers 5.24 renamed the KV cache `past_key_values` -> `cache` (arguments and output fields; the old
@@ -80,14 +117,8 @@ def _forward_with_lean_loss(model, *, labels=None, logits_to_keep=0, shift_label
             f"{tuple(hidden.shape[:-1])} (logits_to_keep={logits_to_keep!r}); pass labels for exactly the kept "
             "positions."
         )
-    loss = linear_cross_entropy(
-        hidden.reshape(-1, hidden.shape[-1]),
-        model.lm_head.weight,
-        shift_labels.reshape(-1),
-        bias=model.lm_head.bias,
-        num_items_in_batch=num_items_in_batch,
-        ignore_index=ignore_index,
-    )
+    loss = _head_loss(model.lm_head, hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1),
+                      num_items_in_batch=num_items_in_batch, ignore_index=ignore_index)
     return CausalLMOutputWithPast(
         loss=loss,
         logits=None,
