@@ -2,7 +2,8 @@
 
 `predict_step_memory(arch, seq_len, settings)` replays one step as a sequence of allocations and
 frees, in the order the code runs them: the forward (gradient checkpointing: each layer without
-autograd, its input kept), the lean loss (which computes its gradients in forward), the backward
+autograd, its input kept), the loss (the lean loss, which computes its gradients in forward, or
+the stock forward's logits where the lean loss does not replace it), the backward
 (each layer recomputed, then differentiated, last layer first) and the optimizer step. Every
 allocation is sized from the shapes (bytes per token x tokens + constant bytes) and named by the
 term it belongs to; the live bytes are tracked op by op, and each phase's peak is reported with the
@@ -45,7 +46,7 @@ TERMS = (
     "autocast weight copies", "loss: weight-gradient buffers", "loss: logits chunk", "attention workspace",
     "inputs and token metadata", "rotary cos/sin", "saved layer inputs", "recomputed layer: saved activations",
     "MLP intermediate", "RMSNorm fp32 copies", "attention tensors", "attention layouts", "estimation buffers",
-    "CP ring buffers", "CP all-to-all buffers", "hidden-state gradients", "loss: hidden gradient",
+    "CP ring buffers", "CP all-to-all buffers", "hidden-state gradients", "loss: hidden gradient", "loss: logits",
 )
 
 
@@ -57,12 +58,14 @@ class Architecture:
     """A decoder's shape as its memory depends on it: `ModelShape` (layers, hidden, heads, the MLP's form, ...) plus
     whether the LM head shares the embedding, and the parameters beside the shape's matrices: a layer's
     (`layer_extra`: biases, norm weights) and the model's outside its layers (`model_extra`: the final norm,
-    position embeddings, an LM head's bias)."""
+    position embeddings, an LM head's bias); whether training computes its loss with the lean loss (`lean_loss`:
+    the Llama-like families, `LEAN_LOSS_FAMILIES`) or its stock forward's [tokens, vocab] logits."""
 
     shape: ModelShape
     tied_embeddings: bool
     layer_extra: int
     model_extra: int
+    lean_loss: bool = True
 
     @property
     def name(self) -> str:
@@ -91,12 +94,18 @@ class Architecture:
         embeddings, an LM head's bias).
 
         Raises:
-            ValueError: `ModelShape.from_config`'s (naming the field and the fix, after `where`).
+            ValueError: `ModelShape.from_config`'s (naming the field and the fix, after `where`), or a model without
+                the lean loss that soft-caps its logits (temporaries not modelled).
         """
-        from ..config.model_fields import decoder_layers
+        from ..config.model_fields import LEAN_LOSS_FAMILIES, decoder_layers
 
         where = where or name or getattr(config, "model_type", "the config")
         check_decoder(config, where)  # (before the build, whose own errors would name less)
+        lean = config.model_type in LEAN_LOSS_FAMILIES
+        if not lean and getattr(config, "final_logit_softcapping", None) is not None:
+            raise ValueError(f"{where}: final_logit_softcapping={config.final_logit_softcapping}: the stock loss of "
+                             f"{config.model_type} soft-caps its [tokens, vocab] logits, whose temporaries the "
+                             "predictions do not model; give a config without it (null), or a preset (--model).")
         model = meta_model(config, where)
         shape = ModelShape.from_config(config, name, where, model)
         layers = decoder_layers(model)
@@ -105,7 +114,7 @@ class Architecture:
         layer = sum(p.numel() for p in layers[0].parameters())
         total = sum(p.numel() for p in model.parameters())
         rest = total - shape.layers * layer - (1 if tied else 2) * shape.vocab * shape.hidden
-        return cls(shape, tied, layer - shape.layer_params, rest)
+        return cls(shape, tied, layer - shape.layer_params, rest, lean)
 
 
 def _qwen_like(shape: ModelShape, tied_embeddings: bool, qkv_bias: bool) -> Architecture:
@@ -703,14 +712,18 @@ class _Step:
         tape.phase = "loss"
         final_saved, hidden = self.norm(True)
         loss_saved = _loss(tape, arch, s, self.t, a, w)
-        tape.free(hidden)
+        if arch.lean_loss:  # (its gradients are computed: the LM head's input is not kept)
+            tape.free(hidden)
 
         tape.phase = "backward"
         if casts is not None:
             tape.free(casts)
-        tape.alloc("gradients", const=arch.embedding_params * w / s.fsdp)  # the LM head's, from the loss
-        tape.free(*loss_saved[1:])
-        grad_hidden = loss_saved[0]
+        if arch.lean_loss:
+            tape.alloc("gradients", const=arch.embedding_params * w / s.fsdp)  # the LM head's, from the loss
+            tape.free(*loss_saved[1:])
+            grad_hidden = loss_saved[0]
+        else:
+            grad_hidden = _stock_loss_backward(tape, arch, s, loss_saved, hidden, a, w)
         tape.transient("RMSNorm fp32 copies", *self.tiles(3 * 4 * h))
         tape.free(*final_saved, last)
         grad = tape.alloc("hidden-state gradients", per_token=a * h)
@@ -752,10 +765,17 @@ def predict_step_memory(arch: Architecture, seq_len: int, settings: StepSettings
 
 
 def _loss(tape: _Tape, arch: Architecture, s: StepSettings, t: int, a: int, w: int) -> list[int]:
-    """The lean loss's forward (which computes the gradients); returns the tensors kept for backward."""
+    """The loss's forward; returns the tensors kept for backward. The lean loss computes the gradients (the hidden
+    states' first); the stock forward (`arch.lean_loss` off) the LM head's logits in the input dtype, their fp32
+    copy and its log-softmax, which it keeps (the caller drops the model's output, and with it the logits)."""
     sh = arch.shape
     h, v = sh.hidden, sh.vocab
     vh = v * h
+    if not arch.lean_loss:
+        logits, copy = tape.alloc("loss: logits", per_token=a * v), tape.alloc("loss: logits", per_token=4 * v)
+        kept = tape.alloc("loss: logits", per_token=4 * v)
+        tape.free(logits, copy)
+        return [kept]
     if s.loss_backend == "liger":
         # liger-kernel 0.8.5: chunks of next_pow2(ceil(T / ceil(V / H))) tokens; logits in the input dtype;
         # weight-gradient accumulator in the weight's dtype; the input's gradient; an fp32 loss per token
@@ -777,6 +797,22 @@ def _loss(tape: _Tape, arch: Architecture, s: StepSettings, t: int, a: int, w: i
     kept = tape.alloc("loss: weight-gradient buffers", const=vh * w)  # saved for backward in the weight dtype
     tape.free(acc)
     return [grad_h, kept]
+
+
+def _stock_loss_backward(tape: _Tape, arch: Architecture, s: StepSettings, saved: list[int], hidden: int, a: int,
+                         w: int) -> int:
+    """The stock loss's backward: the NLL's and the log-softmax's fp32 [tokens, vocab] gradients beside the saved
+    log-softmax, the logits' gradient in the input dtype, then the LM head's (its weight's gradient, the hidden
+    states'); returns the hidden states' gradient."""
+    v = arch.shape.vocab
+    nll, log_softmax = tape.alloc("loss: logits", per_token=4 * v), tape.alloc("loss: logits", per_token=4 * v)
+    tape.free(nll, *saved)
+    logits = tape.alloc("loss: logits", per_token=a * v)
+    tape.free(log_softmax)
+    tape.alloc("gradients", const=arch.embedding_params * w / s.fsdp)
+    grad = tape.alloc("hidden-state gradients", per_token=a * arch.shape.hidden)
+    tape.free(logits, hidden)
+    return grad
 
 
 def _optimizer_state(arch: Architecture, s: StepSettings) -> float:
