@@ -738,7 +738,10 @@ class _Step:
             unsharded = tape.alloc("gradients", const=arch.layer_params * w) if s.fsdp > 1 else None
             grad = self.layer_backward(saved, grad)
             tape.free(copied, cast, floor[layer], unsharded)
-        tape.transient("gradients", const=arch.embedding_params * 4)  # the embedding's dense gradient
+        # the gradients of the parameters outside the layers and the embedding (position embeddings, the final norm,
+        # an LM head's bias), and the embedding's dense gradient
+        tape.alloc("gradients", const=arch.model_extra * w / s.fsdp)
+        tape.transient("gradients", const=arch.embedding_params * 4)
         tape.free(grad)
 
         tape.phase = "optimizer"
