@@ -59,13 +59,15 @@ class Architecture:
     whether the LM head shares the embedding, and the parameters beside the shape's matrices: a layer's
     (`layer_extra`: biases, norm weights) and the model's outside its layers (`model_extra`: the final norm,
     position embeddings, an LM head's bias); whether training computes its loss with the lean loss (`lean_loss`:
-    the Llama-like families, `LEAN_LOSS_FAMILIES`) or its stock forward's [tokens, vocab] logits."""
+    the Llama-like families, `LEAN_LOSS_FAMILIES`) or its stock forward's [tokens, vocab] logits; the elements of
+    its largest parameter where that is not the embedding (`largest_param`: GPT-2's learned positions; 0: none)."""
 
     shape: ModelShape
     tied_embeddings: bool
     layer_extra: int
     model_extra: int
     lean_loss: bool = True
+    largest_param: int = 0
 
     @property
     def name(self) -> str:
@@ -114,7 +116,9 @@ class Architecture:
         layer = sum(p.numel() for p in layers[0].parameters())
         total = sum(p.numel() for p in model.parameters())
         rest = total - shape.layers * layer - (1 if tied else 2) * shape.vocab * shape.hidden
-        return cls(shape, tied, layer - shape.layer_params, rest, lean)
+        largest = max(p.numel() for p in model.parameters())
+        return cls(shape, tied, layer - shape.layer_params, rest, lean,
+                   largest if largest > shape.vocab * shape.hidden else 0)
 
 
 def _qwen_like(shape: ModelShape, tied_embeddings: bool, qkv_bias: bool) -> Architecture:
@@ -833,13 +837,13 @@ def _optimizer_state(arch: Architecture, s: StepSettings) -> float:
 
 def _optimizer_temporaries(arch: Architecture, s: StepSettings) -> float:
     """AdamW's step: foreach keeps a temporary of every parameter (the denominators); the per-tensor step
-    two temporaries of the largest parameter."""
+    two temporaries of the largest parameter (the embedding unless `largest_param`)."""
     w = 4 if s.master_weights else DTYPE_BYTES[s.dtype]
     if s.optimizer == "none":
         return 0.0
     if s.device == "cuda":
         return arch.params * w / s.fsdp
-    return 2 * arch.embedding_params * w / s.fsdp
+    return 2 * max(arch.embedding_params, arch.largest_param) * w / s.fsdp
 
 
 # ------------------------------------------------------------------------------------------- questions

@@ -168,18 +168,31 @@ def test_a_model_without_the_lean_loss_holds_its_stock_logits():
     assert not arch.lean_loss and len(kept) == 1
 
 
-def test_the_optimizer_step_holds_every_parameters_gradient():
+def test_the_optimizer_step_holds_every_parameters_gradient_and_its_largest_ones_temporaries():
     """Issue #50: the gradients of the parameters outside the layers and the embedding (GPT-2's learned positions,
-    the final norm, Phi's LM head bias) were not counted (a 2-layer GPT-2 of 32K positions at 4K tokens: the measured
-    optimizer phase 189 MiB, predicted 134); the gradients held at the optimizer step are those a backward leaves."""
+    the final norm, Phi's LM head bias) were not counted, and AdamW's per-tensor temporaries were sized at the
+    embedding, not at a larger parameter (GPT-2's positions); a 2-layer GPT-2 of 32K positions at 4K tokens: the
+    measured optimizer phase 189 MiB, predicted 134). The gradients held at the optimizer step are those a backward
+    leaves; the step's temporaries at its peak, two of the largest parameter (the recorder)."""
+    from hf_sparse_cp.testing.allocations import AllocationRecorder
+
     config = tiny_config("gpt2", vocab_size=300, num_key_value_heads=4, max_position_embeddings=4096)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, config.vocab_size, (1, 64))
-    model(input_ids=ids, labels=ids).loss.backward()
-    measured = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
+    for _ in range(2):  # (the second step: the state exists, as in training)
+        model(input_ids=ids, labels=ids).loss.backward()
+        gradients = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
+        recorder = AllocationRecorder(with_sites=False)
+        with recorder:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    largest = max(model.parameters(), key=lambda p: p.numel())
+    temporaries = sum(a.nbytes for a in recorder.at_peak if a.shape == tuple(largest.shape))
 
     est = predict_step_memory(Architecture.from_config(config), 64, StepSettings(device="cpu", pattern=PATTERN))
-    assert est.terms("optimizer")["gradients"] == measured
+    assert est.terms("optimizer")["gradients"] == gradients
+    assert est.terms("optimizer")["optimizer step temporaries"] == temporaries == 2 * largest.numel() * 2
 
 
 def test_a_stock_loss_that_soft_caps_its_logits_is_refused():
