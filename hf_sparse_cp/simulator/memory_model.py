@@ -778,8 +778,9 @@ def _loss(tape: _Tape, arch: Architecture, s: StepSettings, t: int, a: int, w: i
     sh = arch.shape
     h, v = sh.hidden, sh.vocab
     vh = v * h
-    if not arch.lean_loss:
-        logits, copy = tape.alloc("loss: logits", per_token=a * v), tape.alloc("loss: logits", per_token=4 * v)
+    if not arch.lean_loss:  # (fp32 logits are their own fp32 copy)
+        logits = tape.alloc("loss: logits", per_token=a * v)
+        copy = tape.alloc("loss: logits", per_token=4 * v * (a < 4))
         kept = tape.alloc("loss: logits", per_token=4 * v)
         tape.free(logits, copy)
         return [kept]
@@ -814,7 +815,7 @@ def _stock_loss_backward(tape: _Tape, arch: Architecture, s: StepSettings, saved
     v = arch.shape.vocab
     nll, log_softmax = tape.alloc("loss: logits", per_token=4 * v), tape.alloc("loss: logits", per_token=4 * v)
     tape.free(nll, *saved)
-    logits = tape.alloc("loss: logits", per_token=a * v)
+    logits = tape.alloc("loss: logits", per_token=a * v * (a < 4))  # (fp32 logits: the log-softmax's gradient)
     tape.free(log_softmax)
     tape.alloc("gradients", const=arch.embedding_params * w / s.fsdp)
     grad = tape.alloc("hidden-state gradients", per_token=a * arch.shape.hidden)

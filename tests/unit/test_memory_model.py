@@ -122,12 +122,14 @@ def test_an_mlp_saves_what_the_model_counts(model_type):
     assert measured == predicted["mlp"] > 0
 
 
-def test_a_model_without_the_lean_loss_holds_its_stock_logits():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_model_without_the_lean_loss_holds_its_stock_logits(dtype):
     """Issue #50: every config was predicted with the lean loss, which replaces the forward of the Llama-like causal
     LMs only: GPT-NeoX's stock forward holds the logits in bf16, their fp32 copy and its log-softmax (kept for
     backward), then the NLL's and the log-softmax's fp32 gradients; measured by the allocation recorder (and
     autograd's hooks for what it keeps), equal to the model's (benchmarks/memory_model.py, a 2-layer GPT-NeoX of
-    vocabulary 8192 at 16K tokens: measured step peak 1647 MiB, predicted 788 before, 1668 now)."""
+    vocabulary 8192 at 16K tokens: measured step peak 1647 MiB, predicted 788 before, 1668 now); fp32 logits are
+    their own fp32 copy."""
     from hf_sparse_cp.integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
     from hf_sparse_cp.testing.allocations import AllocationRecorder
 
@@ -137,7 +139,7 @@ def test_a_model_without_the_lean_loss_holds_its_stock_logits():
     try:
         config = tiny_config("gpt_neox", vocab_size=16384, num_key_value_heads=4, num_hidden_layers=1)
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sparse_cp", dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sparse_cp", dtype=getattr(torch, dtype))
         configure(model, PATTERN)
         model.train()
         s, vocab = 512, config.vocab_size
@@ -162,8 +164,9 @@ def test_a_model_without_the_lean_loss_holds_its_stock_logits():
         return sum(a.nbytes for a in recorder.at_peak if len(a.shape) >= 2 and a.shape[-2:] == (s, vocab))
 
     arch = Architecture.from_config(config)
-    est = predict_step_memory(arch, s, StepSettings(device="cpu", pattern=PATTERN))
-    assert logits(forward) == est.terms("loss").get("loss: logits", 0) == (2 + 4 + 4) * s * vocab
+    est = predict_step_memory(arch, s, StepSettings(dtype=dtype, device="cpu", pattern=PATTERN))
+    assert logits(forward) == est.terms("loss").get("loss: logits", 0) == (
+        (2 + 4 + 4) if dtype == "bfloat16" else (4 + 4)) * s * vocab
     assert logits(backward) + sum(kept.values()) == est.terms("backward").get("loss: logits", 0) == 3 * 4 * s * vocab
     assert not arch.lean_loss and len(kept) == 1
 
