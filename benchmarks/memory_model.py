@@ -10,7 +10,8 @@ mapped on allocation and returned to the kernel on free, so the resident set fol
 tensors (the dynamic threshold glibc uses by default would put buffers below 32 MiB on its heap,
 where freed memory stays resident).
 
-The step is the one the plugin trains with: a Qwen2-architecture model in bf16 (AdamW state in
+The step is the one the plugin trains with: a Qwen2-architecture model (`--grid architectures`: one
+small shape in each of `ARCHITECTURES`, `--model_type` picking some) in bf16 (AdamW state in
 bf16 too), gradient checkpointing (non-reentrant), the `sparse_cp` backend with a sparse pattern
 from the first layer on (CPU: the PyTorch reference), the lean loss (chunked PyTorch), one
 sequence of S tokens. A warm-up step of `--warmup_len` tokens creates the optimizer state first.
@@ -21,6 +22,7 @@ tensor bytes, per phase. Each run's terms are in the JSON.
 
     python benchmarks/memory_model.py                    # the validation grid (2-3 hours on 2 shared cores)
     python benchmarks/memory_model.py --grid quick       # tiny model only (minutes)
+    python benchmarks/memory_model.py --grid architectures --model_type gpt_neox   # (all seven: 25 minutes)
 """
 
 from __future__ import annotations
@@ -52,10 +54,45 @@ SHAPES = {
     "0.5b-2l-v8k": dict(_QWEN05, num_hidden_layers=2, vocab_size=8192),
     "0.5b-4l-v8k": dict(_QWEN05, num_hidden_layers=4, vocab_size=8192),
 }
+# Other architectures (`--model_type`), one small shape for all ("small-<model_type>", built by
+# `hf_sparse_cp.testing.tiny_models.tiny_config`), Qwen2's among them as the control: GPT-NeoX and GPT-2 have no
+# key/value heads of their own; GPT-2's dropout (on by default) is off, as the model counts none; Gemma 3 alternates
+# a layer of a 512-token window with a global one; Mistral's window is every layer's.
+_SMALL = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, vocab_size=8192)
+ARCHITECTURES = {
+    "qwen2": {}, "gpt_neox": dict(num_key_value_heads=4), "phi": {}, "starcoder2": {},
+    "gpt2": dict(num_key_value_heads=4, resid_pdrop=0.0, embd_pdrop=0.0),
+    "gemma3_text": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=512),
+    "mistral": dict(sliding_window=1024),
+}
+SHAPES.update({f"small-{t}": dict(_SMALL, model_type=t, **extra) for t, extra in ARCHITECTURES.items()})
 # The pattern of every measured run: sparse from the first layer on and from 1K tokens, budgets small enough
 # that the reference attention stays cheap on a CPU at 64K.
 PATTERN = dict(block_size=128, min_seq_len=1024, dense_first_layers=0, vertical_topk=64, slash_topk=4,
                sink_tokens=64, local_window=128, last_q=64)
+
+
+def model_type(model: str) -> str:
+    """The transformers model type of shape `model` (the validation's: qwen2)."""
+    return SHAPES[model].get("model_type", "qwen2")
+
+
+def model_config(model: str, seq_len: int):
+    """The transformers config of shape `model` for a run of `seq_len` tokens: Qwen2's (the validation's), or
+    another architecture's from `tiny_config` (positions as many as Qwen2's, a learned table included)."""
+    from transformers import Qwen2Config
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    fields = dict(SHAPES[model])
+    positions = max(32768, seq_len)
+    if "model_type" not in fields:
+        return Qwen2Config(**fields, max_position_embeddings=positions, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                           attention_dropout=0.0, use_cache=False)
+    config = tiny_config(fields.pop("model_type"), max_position_embeddings=positions, **fields)
+    config.use_cache = False
+    return config
 
 
 def _status_kib(field: str) -> int:
@@ -70,7 +107,7 @@ def _reset_peak() -> None:
 def run_one(spec: dict) -> dict:
     """Build the model of `spec`, run the warm-up and the measured step, return the measurements."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
     import hf_sparse_cp
     from hf_sparse_cp import SparseAttentionConfig, configure
@@ -79,8 +116,7 @@ def run_one(spec: dict) -> dict:
     seq_len = spec["seq_len"]
     hf_sparse_cp.patch()
     hf_sparse_cp.enable_lean_loss()
-    config = Qwen2Config(**SHAPES[spec["model"]], max_position_embeddings=max(32768, seq_len),
-                         rope_theta=1_000_000.0, rms_norm_eps=1e-6, attention_dropout=0.0, use_cache=False)
+    config = model_config(spec["model"], seq_len)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sparse_cp", dtype=torch.bfloat16)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -160,6 +196,8 @@ GRIDS = {
                    ("0.5b-2l-v8k", 32768, {}), ("0.5b-2l-v8k", 32768, {"tiled": True}),
                    ("tiny", 65536, {"tiled": True}), ("0.5b-2l-v8k", 65536, {"tiled": True})],
     "quick": [("tiny", 4096, {}), ("tiny", 8192, {"tiled": True, "tile_tokens": 2048})],
+    # every architecture's small shape at two lengths (`--model_type` picks some)
+    "architectures": [(f"small-{t}", n, {}) for n in (4096, 16384) for t in ARCHITECTURES],
 }
 # The step's peak must be predicted within this share of the measured one.
 TOLERANCE = 0.10
@@ -173,13 +211,13 @@ def _key(model: str, seq_len: int, savers: dict) -> tuple:
     return model, seq_len, json.dumps(savers, sort_keys=True)
 
 
-def measure(grid: str, runs_path: Path, timeout_s: int) -> list[dict]:
-    """Run every configuration of `grid` not yet measured in `runs_path`, each in its own process,
-    rewriting `runs_path` after each."""
+def measure(grid: str, runs_path: Path, timeout_s: int, model_types: list[str] | None = None) -> list[dict]:
+    """Run every configuration of `grid` (of `model_types` only, if given) not yet measured in `runs_path`, each in
+    its own process, rewriting `runs_path` after each."""
     runs = json.loads(runs_path.read_text())["runs"] if runs_path.exists() else []
     done = {_key(r["model"], r["seq_len"], r.get("savers", {})) for r in runs if r["status"] == "ok"}
     for model, seq_len, savers in GRIDS[grid]:
-        if _key(model, seq_len, savers) in done:
+        if _key(model, seq_len, savers) in done or (model_types and model_type(model) not in model_types):
             continue
         spec = {"model": model, "seq_len": seq_len, "warmup_len": 256, "savers": savers, "pattern": PATTERN}
         start = time.time()
@@ -209,12 +247,10 @@ def cpu_settings(run: dict):
                         savers=MemorySavers(**run.get("savers", {})))
 
 
-def architecture(model: str):
-    from transformers import Qwen2Config
-
+def architecture(model: str, seq_len: int):
     from hf_sparse_cp.simulator.memory_model import Architecture
 
-    return Architecture.from_config(Qwen2Config(**SHAPES[model]), model)
+    return Architecture.from_config(model_config(model, seq_len), model)
 
 
 def validate(run: dict) -> dict:
@@ -226,7 +262,7 @@ def validate(run: dict) -> dict:
     autograd engine's own structures, ~35-50 MiB here, which a GPU's allocated bytes do not count)."""
     from hf_sparse_cp.simulator.memory_model import predict_step_memory
 
-    est = predict_step_memory(architecture(run["model"]), run["seq_len"], cpu_settings(run))
+    est = predict_step_memory(architecture(run["model"], run["seq_len"]), run["seq_len"], cpu_settings(run))
     base = run["baseline_bytes"]
     state = sum(est.terms("optimizer").get(t, 0.0) for t in ("weights", "optimizer state"))
     runtime = run["after_warmup_bytes"] - base - state
@@ -471,9 +507,13 @@ def main(argv: list[str]) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grid", choices=sorted(GRIDS), default="validation", help="Which runs to measure.")
-    parser.add_argument("--runs", default=str(RESULTS_DIR / "memory-model_cpu_runs.json"),
-                        help="Measured runs (resumed: configurations already measured there are kept).")
-    parser.add_argument("--output", default=str(RESULTS_DIR / "memory-model_cpu.json"), help="Report JSON (+ .png).")
+    parser.add_argument("--model_type", nargs="+", choices=sorted(ARCHITECTURES),
+                        help="Measure the grid's runs of these model types only (the validation's are qwen2).")
+    parser.add_argument("--runs", help="Measured runs (resumed: configurations already measured there are kept); "
+                        "default: results/memory-model_cpu_runs.json (the architectures grid: "
+                        "memory-model-architectures_cpu_runs.json).")
+    parser.add_argument("--output", help="Report JSON (+ .png); default: results/memory-model_cpu.json "
+                        "(memory-model-architectures_cpu.json).")
     parser.add_argument("--report_only", action="store_true", help="Do not measure; report the runs file.")
     parser.add_argument("--timeout_s", type=int, default=7200, help="Wall-clock limit of one run.")
     parser.add_argument("--start_length", metavar="MODEL",
@@ -489,9 +529,11 @@ def main(argv: list[str]) -> None:
         except (KeyError, ValueError) as e:
             parser.error(str(e))
         return
+    stem = "memory-model-architectures" if args.grid == "architectures" else "memory-model"
+    runs = Path(args.runs or RESULTS_DIR / f"{stem}_cpu_runs.json")
     if not args.report_only:
-        measure(args.grid, Path(args.runs), args.timeout_s)
-    report(Path(args.runs), Path(args.output))
+        measure(args.grid, runs, args.timeout_s, args.model_type)
+    report(runs, Path(args.output or RESULTS_DIR / f"{stem}_cpu.json"))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ if TYPE_CHECKING:
 
 # The fields that give a mixture of experts its expert count (Mixtral, Qwen2-MoE / Qwen3-MoE, OLMoE, DeepSeek).
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+# The Llama-like families (model type -> class-name prefix) whose `*ForCausalLM` forward the lean loss replaces and
+# whose MLP and RMSNorm token tiles run (`integration.architectures`); every other causal LM trains with its stock
+# forward's [tokens, vocab] logits, which the memory predictions count.
+LEAN_LOSS_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config.model_fields import EXPERT_COUNTS
+from ..config.model_fields import EXPERT_COUNTS, LEAN_LOSS_FAMILIES
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,7 @@ def _llama_like(family: str) -> Support:
 
 
 ARCHITECTURES: dict[str, Support] = {
-    "llama": _llama_like("Llama"),
-    "mistral": _llama_like("Mistral"),
-    "qwen2": _llama_like("Qwen2"),
-    "qwen3": _llama_like("Qwen3"),
+    **{model_type: _llama_like(family) for model_type, family in LEAN_LOSS_FAMILIES.items()},
     **{model_type: Support(cp_tested=True) for model_type in (
         "phi3", "olmo2", "granite", "gemma3_text", "glm4", "helium", "smollm3", "cohere2", "gemma", "cohere",
         "gpt_neox", "starcoder2", "phi", "gpt2", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",

@@ -2,7 +2,8 @@
 
 `predict_step_memory(arch, seq_len, settings)` replays one step as a sequence of allocations and
 frees, in the order the code runs them: the forward (gradient checkpointing: each layer without
-autograd, its input kept), the lean loss (which computes its gradients in forward), the backward
+autograd, its input kept), the loss (the lean loss, which computes its gradients in forward, or
+the stock forward's logits where the lean loss does not replace it), the backward
 (each layer recomputed, then differentiated, last layer first) and the optimizer step. Every
 allocation is sized from the shapes (bytes per token x tokens + constant bytes) and named by the
 term it belongs to; the live bytes are tracked op by op, and each phase's peak is reported with the
@@ -30,7 +31,7 @@ from typing import Literal
 
 from ..attention import build, reference, scoring
 from ..config import SparseAttentionConfig
-from ..config.model_fields import decoder_layers
+from ..config.model_fields import LEAN_LOSS_FAMILIES, decoder_layers
 from ..distributed.heads.split import HeadSplit
 from ..memory.savers import MemorySavers
 from .kept_curve import DEFAULT_CURVE, KeptCurve
@@ -46,7 +47,7 @@ TERMS = (
     "autocast weight copies", "loss: weight-gradient buffers", "loss: logits chunk", "attention workspace",
     "inputs and token metadata", "rotary cos/sin", "saved layer inputs", "recomputed layer: saved activations",
     "MLP intermediate", "RMSNorm fp32 copies", "attention tensors", "attention layouts", "estimation buffers",
-    "CP ring buffers", "CP all-to-all buffers", "hidden-state gradients", "loss: hidden gradient",
+    "CP ring buffers", "CP all-to-all buffers", "hidden-state gradients", "loss: hidden gradient", "loss: logits",
 )
 
 
@@ -58,12 +59,16 @@ class Architecture:
     """A decoder's shape as its memory depends on it: `ModelShape` (layers, hidden, heads, the MLP's form, ...) plus
     whether the LM head shares the embedding, and the parameters beside the shape's matrices: a layer's
     (`layer_extra`: biases, norm weights) and the model's outside its layers (`model_extra`: the final norm,
-    position embeddings, an LM head's bias)."""
+    position embeddings, an LM head's bias); whether training computes its loss with the lean loss (`lean_loss`:
+    the Llama-like families, `LEAN_LOSS_FAMILIES`) or its stock forward's [tokens, vocab] logits; the elements of
+    its largest parameter where that is not the embedding (`largest_param`: GPT-2's learned positions; 0: none)."""
 
     shape: ModelShape
     tied_embeddings: bool
     layer_extra: int
     model_extra: int
+    lean_loss: bool = True
+    largest_param: int = 0
 
     @property
     def name(self) -> str:
@@ -92,10 +97,16 @@ class Architecture:
         embeddings, an LM head's bias).
 
         Raises:
-            ValueError: `ModelShape.from_config`'s (naming the field and the fix, after `where`).
+            ValueError: `ModelShape.from_config`'s (naming the field and the fix, after `where`), or a model without
+                the lean loss that soft-caps its logits (temporaries not modelled).
         """
         where = where or name or getattr(config, "model_type", "the config")
         check_decoder(config, where)  # (before the build, whose own errors would name less)
+        lean = config.model_type in LEAN_LOSS_FAMILIES
+        if not lean and getattr(config, "final_logit_softcapping", None) is not None:
+            raise ValueError(f"{where}: final_logit_softcapping={config.final_logit_softcapping}: the stock loss of "
+                             f"{config.model_type} soft-caps its [tokens, vocab] logits, whose temporaries the "
+                             "predictions do not model; give a config without it (null), or a preset (--model).")
         model = meta_model(config, where)
         shape = ModelShape.from_config(config, name, where, model)
         layers = decoder_layers(model)
@@ -104,7 +115,9 @@ class Architecture:
         layer = sum(p.numel() for p in layers[0].parameters())
         total = sum(p.numel() for p in model.parameters())
         rest = total - shape.layers * layer - (1 if tied else 2) * shape.vocab * shape.hidden
-        return cls(shape, tied, layer - shape.layer_params, rest)
+        largest = max(p.numel() for p in model.parameters())
+        return cls(shape, tied, layer - shape.layer_params, rest, lean,
+                   largest if largest > shape.vocab * shape.hidden else 0)
 
 
 def _qwen_like(shape: ModelShape, tied_embeddings: bool, qkv_bias: bool) -> Architecture:
@@ -702,14 +715,18 @@ class _Step:
         tape.phase = "loss"
         final_saved, hidden = self.norm(True)
         loss_saved = _loss(tape, arch, s, self.t, a, w)
-        tape.free(hidden)
+        if arch.lean_loss:  # (its gradients are computed: the LM head's input is not kept)
+            tape.free(hidden)
 
         tape.phase = "backward"
         if casts is not None:
             tape.free(casts)
-        tape.alloc("gradients", const=arch.embedding_params * w / s.fsdp)  # the LM head's, from the loss
-        tape.free(*loss_saved[1:])
-        grad_hidden = loss_saved[0]
+        if arch.lean_loss:
+            tape.alloc("gradients", const=arch.embedding_params * w / s.fsdp)  # the LM head's, from the loss
+            tape.free(*loss_saved[1:])
+            grad_hidden = loss_saved[0]
+        else:
+            grad_hidden = _stock_loss_backward(tape, arch, s, loss_saved, hidden, a, w)
         tape.transient("RMSNorm fp32 copies", *self.tiles(3 * 4 * h))
         tape.free(*final_saved, last)
         grad = tape.alloc("hidden-state gradients", per_token=a * h)
@@ -724,7 +741,10 @@ class _Step:
             unsharded = tape.alloc("gradients", const=arch.layer_params * w) if s.fsdp > 1 else None
             grad = self.layer_backward(saved, grad)
             tape.free(copied, cast, floor[layer], unsharded)
-        tape.transient("gradients", const=arch.embedding_params * 4)  # the embedding's dense gradient
+        # the gradients of the parameters outside the layers and the embedding (position embeddings, the final norm,
+        # an LM head's bias), and the embedding's dense gradient
+        tape.alloc("gradients", const=arch.model_extra * w / s.fsdp)
+        tape.transient("gradients", const=arch.embedding_params * 4)
         tape.free(grad)
 
         tape.phase = "optimizer"
@@ -751,10 +771,18 @@ def predict_step_memory(arch: Architecture, seq_len: int, settings: StepSettings
 
 
 def _loss(tape: _Tape, arch: Architecture, s: StepSettings, t: int, a: int, w: int) -> list[int]:
-    """The lean loss's forward (which computes the gradients); returns the tensors kept for backward."""
+    """The loss's forward; returns the tensors kept for backward. The lean loss computes the gradients (the hidden
+    states' first); the stock forward (`arch.lean_loss` off) the LM head's logits in the input dtype, their fp32
+    copy and its log-softmax, which it keeps (the caller drops the model's output, and with it the logits)."""
     sh = arch.shape
     h, v = sh.hidden, sh.vocab
     vh = v * h
+    if not arch.lean_loss:  # (fp32 logits are their own fp32 copy)
+        logits = tape.alloc("loss: logits", per_token=a * v)
+        copy = tape.alloc("loss: logits", per_token=4 * v * (a < 4))
+        kept = tape.alloc("loss: logits", per_token=4 * v)
+        tape.free(logits, copy)
+        return [kept]
     if s.loss_backend == "liger":
         # liger-kernel 0.8.5: chunks of next_pow2(ceil(T / ceil(V / H))) tokens; logits in the input dtype;
         # weight-gradient accumulator in the weight's dtype; the input's gradient; an fp32 loss per token
@@ -778,6 +806,22 @@ def _loss(tape: _Tape, arch: Architecture, s: StepSettings, t: int, a: int, w: i
     return [grad_h, kept]
 
 
+def _stock_loss_backward(tape: _Tape, arch: Architecture, s: StepSettings, saved: list[int], hidden: int, a: int,
+                         w: int) -> int:
+    """The stock loss's backward: the NLL's and the log-softmax's fp32 [tokens, vocab] gradients beside the saved
+    log-softmax, the logits' gradient in the input dtype, then the LM head's (its weight's gradient, the hidden
+    states'); returns the hidden states' gradient."""
+    v = arch.shape.vocab
+    nll, log_softmax = tape.alloc("loss: logits", per_token=4 * v), tape.alloc("loss: logits", per_token=4 * v)
+    tape.free(nll, *saved)
+    logits = tape.alloc("loss: logits", per_token=a * v * (a < 4))  # (fp32 logits: the log-softmax's gradient)
+    tape.free(log_softmax)
+    tape.alloc("gradients", const=arch.embedding_params * w / s.fsdp)
+    grad = tape.alloc("hidden-state gradients", per_token=a * arch.shape.hidden)
+    tape.free(logits, hidden)
+    return grad
+
+
 def _optimizer_state(arch: Architecture, s: StepSettings) -> float:
     w = 4 if s.master_weights else DTYPE_BYTES[s.dtype]
     if s.optimizer == "none":
@@ -793,13 +837,13 @@ def _optimizer_state(arch: Architecture, s: StepSettings) -> float:
 
 def _optimizer_temporaries(arch: Architecture, s: StepSettings) -> float:
     """AdamW's step: foreach keeps a temporary of every parameter (the denominators); the per-tensor step
-    two temporaries of the largest parameter."""
+    two temporaries of the largest parameter (the embedding unless `largest_param`)."""
     w = 4 if s.master_weights else DTYPE_BYTES[s.dtype]
     if s.optimizer == "none":
         return 0.0
     if s.device == "cuda":
         return arch.params * w / s.fsdp
-    return 2 * arch.embedding_params * w / s.fsdp
+    return 2 * max(arch.embedding_params, arch.largest_param) * w / s.fsdp
 
 
 # ------------------------------------------------------------------------------------------- questions
