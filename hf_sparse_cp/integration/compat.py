@@ -562,6 +562,13 @@ def cp_whole_row_losses() -> tuple[Callable, ...]:
     return (trl.DPOTrainer.compute_loss, trl.KTOTrainer.compute_loss, trl.RewardTrainer.compute_loss, *experimental)
 
 
+def cp_row_score_losses() -> tuple[Callable, ...]:
+    """Those of `cp_whole_row_losses` built from a sequence-classification head's score of each row (TRL
+    RewardTrainer's); the others are a language model's."""
+    trl = sys.modules.get("trl")
+    return (trl.RewardTrainer.compute_loss,) if trl is not None else ()
+
+
 def argument_parser_classes() -> list[type]:
     """The classes of `PARSERS` that can be imported here (TRL's only where TRL is installed and has its copy)."""
     found = []

@@ -264,7 +264,8 @@ def check_loss(trainer: Trainer, cp_size: int) -> None:
         _check_head(trainer.model, cp_size, whole_rows=False, own_loss=method is Trainer.compute_loss)
         return
     elif method in compat.cp_whole_row_losses():
-        _check_head(trainer.model, cp_size, whole_rows=True, own_loss=False)
+        _check_head(trainer.model, cp_size, whole_rows=True, own_loss=False,
+                    scores_rows=method in compat.cp_row_score_losses())
         check_whole_row_trainer(trainer, cp_size)
         return
     else:
@@ -292,16 +293,18 @@ def _loss_refusal(what: str, fix: str) -> str:
             "parallelism.")
 
 
-def _check_head(model: torch.nn.Module, cp_size: int, *, whole_rows: bool, own_loss: bool) -> None:
+def _check_head(model: torch.nn.Module, cp_size: int, *, whole_rows: bool, own_loss: bool,
+                scores_rows: bool = False) -> None:
     """Refuse a head that CP does not train as one process (`heads.model_head`). A language-model head trains under
     the trainers of `compat.cp_exact_losses` and `cp_whole_row_losses`; a token- or sequence-classification or a
     question-answering head under the Trainer's own compute_loss (`own_loss`), whose loss CP makes the group's
-    (`smooth_labels_over_cp_group`, `cp_group_steps`); a sequence-classification head under a whole-row trainer (TRL's
-    RewardTrainer), whose pooled score every rank of the group holds (`heads.pool_over_cp_group`). Before, a head
+    (`smooth_labels_over_cp_group`, `cp_group_steps`); a sequence-classification head under a whole-row trainer whose
+    loss is built from it (`scores_rows`: TRL's RewardTrainer), whose pooled score every rank of the group holds
+    (`heads.pool_over_cp_group`). Before, a head
     that pools the row's last token crashed at the first step sharding its per-row labels, and a token-classification
     head took its shard's mean (2.269 logged at step 1 under CP 2 against 1.134 for one process)."""
     head = model_head(model)
-    if head == LANGUAGE_MODEL or (head is not None and own_loss) or (whole_rows and head == SEQUENCE_CLASSIFICATION):
+    if head == LANGUAGE_MODEL or (head is not None and own_loss) or (scores_rows and head == SEQUENCE_CLASSIFICATION):
         return
     name = type(model).__name__
     if head is not None:

@@ -571,9 +571,10 @@ def test_a_loss_the_trainer_builds_from_the_shards_outputs_is_refused_under_cp(t
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt2"])
 def test_a_head_cp_does_not_train_as_one_process_is_refused_under_cp(tmp_path, head, model_type):
     """Under CP a classification or question-answering head with transformers' generic forward (Llama, Qwen2) trains
-    through the Trainer's own loss (test_cp_classification_heads.py); an architecture's own head forward (GPT-2's) and
-    such a head under a trainer whose loss is a language model's (TRL SFTTrainer's, DPOTrainer's) are refused at start,
-    naming the fix; the causal LM of the same config passes."""
+    through the Trainer's own loss (test_cp_classification_heads.py), and a sequence-classification head through TRL
+    RewardTrainer's; an architecture's own head forward (GPT-2's) and such a head under a trainer whose loss is a
+    language model's (TRL SFTTrainer's, DPOTrainer's; another head under RewardTrainer's) are refused at start, naming
+    the fix; the causal LM of the same config passes."""
     import transformers
     import trl
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
@@ -591,8 +592,11 @@ def test_a_head_cp_does_not_train_as_one_process_is_refused_under_cp(tmp_path, h
             check_loss(trainer, 2)
     else:
         check_loss(trainer, 2)
-        for other in (trl.SFTTrainer, trl.DPOTrainer):  # (a language model's loss: refused before anything else)
+        for other in (trl.SFTTrainer, trl.DPOTrainer, trl.RewardTrainer):  # (refused before anything else)
             trainer.__class__ = type("Other", (Trainer,), {"compute_loss": other.compute_loss})
+            if other is trl.RewardTrainer and head == "AutoModelForSequenceClassification":
+                check_loss(trainer, 2)  # (its loss is built from that head's score of each row)
+                continue
             with pytest.raises(ValueError, match=r"(classification|answering) head under a (whole-row trainer|"
                                                  r"trainer whose compute_loss is its own).*Fix: train it with "
                                                  r"transformers' Trainer"):
