@@ -12,7 +12,10 @@
   torchrun or accelerate launch as their commands run them, except that a run whose processes ended refused (the
   others stopped by the launcher) ends with `REFUSED` and without their traceback and failure summary, which
   only repeat the message's process's exit status (as torchrun's ChildFailedError, or as the CalledProcessError
-  accelerate launch raises for a config of one process). Any other failure keeps them. A run stopped by a signal
+  accelerate launch raises for a config of one process). A process that refused marks it in the launcher's folder
+  before its teardown (`REFUSED_MARKER`): a run whose processes all ended on signals after that (a rank aborting in
+  its process group's teardown, the others stopped by the launcher, as seen under load) ended on the refusal too.
+  Any other failure keeps them. A run stopped by a signal
   ends with 128 + its number, without the launcher's traceback (and, on Ctrl-C, without torchrun's line per worker:
   `interrupts.py`).
 """
@@ -33,6 +36,8 @@ LAUNCHERS = {"torchrun": "torch.distributed.run", "accelerate": "accelerate.comm
 # A folder the launcher's processes share on one machine (made and removed by `hf-sparse-cp launch`), where the
 # first to report a message before any process group exists marks it
 REPORTS_ENV = "HF_SPARSE_CP_REPORTS"
+# The file in that folder that says a process ended refused (written before its teardown)
+REFUSED_MARKER = "refused"
 
 
 def first_to_report(message: str) -> bool:
@@ -89,15 +94,29 @@ def end_refused(prog: str, error: BaseException) -> NoReturn:
     if first_to_report(message):
         sys.stderr.write(f"{prog}: error: {message}\n")
         sys.stderr.flush()
+    _mark_refused()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     sys.exit(REFUSED)
 
 
-def refused_run(exit_codes: list[int]) -> bool:
+def _mark_refused() -> None:
+    """Write `REFUSED_MARKER` in the launcher's folder (`REPORTS_ENV`), where a launched process has one."""
+    folder = os.environ.get(REPORTS_ENV)
+    if folder:
+        try:
+            open(os.path.join(folder, REFUSED_MARKER), "a").close()
+        except OSError:  # (the folder gone: the exit status still says it)
+            pass
+
+
+def refused_run(exit_codes: list[int], marked: bool = False) -> bool:
     """Whether the launched processes that failed with `exit_codes` ended on a refusal: one at least with
-    `REFUSED`, the others with it or stopped by a signal (the launcher stops the rest once one exits)."""
-    return REFUSED in exit_codes and all(code == REFUSED or code < 0 for code in exit_codes)
+    `REFUSED`, the others with it or stopped by a signal (the launcher stops the rest once one exits); or, where a
+    process `marked` its refusal before its teardown (`REFUSED_MARKER`), all of them on signals."""
+    if not all(code == REFUSED or code < 0 for code in exit_codes):
+        return False
+    return REFUSED in exit_codes or marked
 
 
 def drops_refused_failure(record: logging.LogRecord) -> bool:
@@ -132,7 +151,9 @@ def main(argv: list[str]) -> None:
     try:
         importlib.import_module(LAUNCHERS[name]).main()
     except ChildFailedError as e:
-        if refused_run([failure.exitcode for failure in e.failures.values()]):
+        folder = os.environ.get(REPORTS_ENV)
+        marked = bool(folder) and os.path.exists(os.path.join(folder, REFUSED_MARKER))
+        if refused_run([failure.exitcode for failure in e.failures.values()], marked):
             sys.exit(REFUSED)
         raise
     except subprocess.CalledProcessError as e:  # accelerate launch's one-process launcher (`simple_launcher`)

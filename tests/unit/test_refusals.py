@@ -58,17 +58,30 @@ def test_a_refusal_ends_with_its_message_and_status_2(capsys):
     assert capsys.readouterr().err == "train.py: error: --cp_size 2 with DeepSpeed: shard with FSDP2 instead.\n"
 
 
-@pytest.mark.parametrize("exit_codes, refused", [
-    ([2], True),
-    ([2, 2], True),  # every rank refused
-    ([2, -15], True),  # one refused, the launcher stopped the other (SIGTERM)
-    ([1], False),  # a crash
-    ([2, 1], False),  # a refusal beside a crash: the crash's report stays
-    ([-9], False),  # killed (out of memory): nothing refused
-    ([-15, -15], False),
+@pytest.mark.parametrize("exit_codes, marked, refused", [
+    ([2], False, True),
+    ([2, 2], False, True),  # every rank refused
+    ([2, -15], False, True),  # one refused, the launcher stopped the other (SIGTERM)
+    ([1], False, False),  # a crash
+    ([2, 1], False, False),  # a refusal beside a crash: the crash's report stays
+    ([-9], False, False),  # killed (out of memory): nothing refused
+    ([-15, -15], False, False),
+    # a rank refused and marked it, then aborted in its process group's teardown; the launcher stopped the other (seen
+    # under load: the run ended with torchrun's traceback after the message)
+    ([-15, -6], True, True),
+    ([-15, 1], True, False),  # a crash beside it keeps its report
 ])
-def test_a_run_ended_by_a_refusal_is_told_from_a_failure(exit_codes, refused):
-    assert refused_run(exit_codes) is refused
+def test_a_run_ended_by_a_refusal_is_told_from_a_failure(exit_codes, marked, refused):
+    assert refused_run(exit_codes, marked) is refused
+
+
+def test_a_refusing_process_marks_it_in_the_launchers_folder_before_its_teardown(monkeypatch, tmp_path, capsys):
+    from hf_sparse_cp.launch import refusals
+
+    monkeypatch.setenv(refusals.REPORTS_ENV, str(tmp_path))
+    with pytest.raises(SystemExit):
+        end_refused("train.py", ValueError("refused, naming the fix"))
+    assert (tmp_path / refusals.REFUSED_MARKER).is_file()
 
 
 def test_a_script_goes_by_its_files_name_as_its_own_parser_names_it():
