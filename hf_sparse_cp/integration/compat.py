@@ -559,7 +559,7 @@ def cp_whole_row_losses() -> tuple[Callable, ...]:
         return ()
     experimental = tuple(getattr(sys.modules[module], name).compute_loss for module, name in WHOLE_ROW_EXPERIMENTAL
                          if module in sys.modules)
-    return (trl.DPOTrainer.compute_loss, trl.KTOTrainer.compute_loss, trl.RewardTrainer.compute_loss, *experimental)
+    return (trl.DPOTrainer.compute_loss, trl.KTOTrainer.compute_loss, *cp_row_score_losses(), *experimental)
 
 
 def cp_row_score_losses() -> tuple[Callable, ...]:

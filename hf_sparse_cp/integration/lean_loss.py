@@ -72,9 +72,9 @@ def _takes_lean_path(model, labels, shift_labels) -> bool:
         and getattr(model.config, "final_logit_softcapping", None) is None
         # A PEFT-wrapped head (LoRA, modules_to_save) is not an nn.Linear: its weight alone is not the head.
         and isinstance(lm_head, torch.nn.Linear)
-        # A sharded weight (FSDP2 outside its unsharded forward) goes through the module's hooks (`_head_loss`);
+        # A head of an FSDP2 unit goes through the module's hooks (`_head_loss`), where it has no forward of its own;
         # another distributed weight (tensor parallelism) takes the stock forward.
-        and (not _is_distributed_tensor(lm_head.weight) or _through_fsdp2(lm_head))
+        and (_through_fsdp2(lm_head) if _is_fsdp2_module(lm_head) else not _is_distributed_tensor(lm_head.weight))
     )
 
 
