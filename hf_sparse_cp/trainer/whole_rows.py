@@ -155,17 +155,17 @@ def _by_name(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> di
     naming the fix, where the forward's signature does not name them."""
     if not args:
         return kwargs
-    forward = module.forward
+    signature = inspect.signature(module.forward)
     # (a PEFT model without a task type, `PeftModel`, takes `*args` and hands them to its base model as they are)
     if hasattr(module, "get_base_model") and any(parameter.kind is inspect.Parameter.VAR_POSITIONAL
-                                                 for parameter in inspect.signature(forward).parameters.values()):
-        forward = module.get_base_model().forward
+                                                 for parameter in signature.parameters.values()):
+        signature = inspect.signature(module.get_base_model().forward)
     try:
-        bound = inspect.signature(forward).bind_partial(*args)
-    except (TypeError, ValueError):
+        bound = signature.bind_partial(*args)
+    except TypeError:
         bound = None
-    parameters = inspect.signature(forward).parameters if bound is not None else {}
-    if bound is None or any(parameters[name].kind is inspect.Parameter.VAR_POSITIONAL for name in bound.arguments):
+    if bound is None or any(signature.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL
+                            for name in bound.arguments):
         raise ValueError(
             f"a forward of {type(module).__name__} under context parallelism got {len(args)} positional inputs that "
             "its signature does not name: the plugin shards the inputs of a whole-row forward by name (input_ids=..., "
