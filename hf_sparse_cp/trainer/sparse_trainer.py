@@ -66,6 +66,7 @@ from .plugin_arguments import (
 from .reference import attend_like_trained_model
 from .schedule import parse_schedule
 from .smet import check_smet_optim, install_smet
+from .tied_weights import alias_tied_weights
 
 logger = logging.getLogger(__name__)
 
@@ -394,6 +395,12 @@ class SparseTrainerMixin:
                                        first_step=getattr(metrics, "first_step", 0),
                                        create_card=super().create_model_card,
                                        **(self.args.plugin_arguments().card_metadata() | given))
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        # (a state dict gathered from FSDP2's shards holds a tied head apart from its embeddings: saved twice)
+        if state_dict:
+            state_dict = alias_tied_weights(self.accelerator.unwrap_model(self.model), state_dict)
+        super()._save(output_dir, state_dict)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The Trainer's `save_model`; saving the final model into `output_dir` also writes its card there (a stock

@@ -2,7 +2,9 @@
 FSDP2 unit, so its weight is a DTensor outside that unit's forward and the lean path was never taken: every training
 step built the [tokens, vocab] logits through the stock loss. The loss now runs as the forward of a call of the head,
 whose hooks unshard its weight and reduce-scatter its gradient: the lean path is taken on every training step, tied
-and untied heads, DP 2 and CP 2, with the losses and weights of one process."""
+and untied heads, DP 2 and CP 2, with the losses and weights of one process. The saved model.safetensors is one
+process's too: the state dict gathered from the shards held a tied head apart from its embeddings, saved twice
+(`trainer/tied_weights.py`)."""
 
 import os
 import tempfile
@@ -47,21 +49,35 @@ def _train(rank: int, world: int, tied: bool, cp: int) -> dict:
                                        **fsdp)
         trainer = SparseTrainer(model=model, args=args, train_dataset=_rows())
         trainer.train()
+        trainer.save_model(f"{tmp}/final")
+        saved = _saved(f"{tmp}/final/model.safetensors") if trainer.args.should_save else None
         weights = torch.cat([getattr(v, "full_tensor", lambda v=v: v)().flatten()
                              for v in trainer.model.state_dict().values()])
     lean_loss._head_loss = head_loss
     return {"calls": calls, "loss": [log["loss"] for log in trainer.state.log_history if "loss" in log],
-            "weights": weights}
+            "weights": weights, "saved": saved}
+
+
+def _saved(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("cp", [1, 2], ids=["dp2", "cp2"])
-def test_fsdp2_trains_through_the_lean_loss_as_one_process(tied, cp):
+def test_fsdp2_trains_through_the_lean_loss_and_saves_as_one_process(tied, cp):
     from hf_sparse_cp.testing.spawn import run_gloo
 
     (one,) = run_gloo(_train, 1, tied, 1, timeout_s=300)
     assert one["calls"] == {"lean": 2, "through the module": 0}  # one process: a local head, one lean call a step
-    for rank in run_gloo(_train, 2, tied, cp, timeout_s=600):
+    ranks = run_gloo(_train, 2, tied, cp, timeout_s=600)
+    for rank in ranks:
         assert rank["calls"] == {"lean": 2, "through the module": 2}, rank
         assert rank["loss"] == pytest.approx(one["loss"], rel=1e-5)
         assert rel_rms(rank["weights"], one["weights"]) < 1e-6
+    saved = ranks[0]["saved"]
+    assert sorted(saved) == sorted(one["saved"])  # a tied head saved once, as its embeddings
+    assert ("lm_head.weight" in saved) == (not tied)
+    for name, tensor in one["saved"].items():
+        assert rel_rms(saved[name], tensor) < 1e-6, name
