@@ -621,7 +621,7 @@ class _Step:
         saved2, n2 = self.norm(True)
         mlp = self.mlp(True)
         tape.transient("attention tensors", per_token=a * h)  # the MLP's output, made before the stop
-        if self.s.savers.tiled:  # the tiled norm saves its input
+        if self.s.savers.tiled or not self.norm32:  # the tiled norm saves its input; so does an fp32 one (no copy)
             saved2.append(h1)
         else:
             tape.free(h1)
