@@ -198,6 +198,9 @@ def _saved_at(model: torch.nn.Module, layers: list[torch.nn.Module], tokens: int
         known.update(_storage(t) for t in held)
         stand_in.layer = index
 
+    def leave(*_) -> None:
+        stand_in.layer = None
+
     def enter_mlp(index: int, args, kwargs) -> None:
         held.extend(_tensors([*args, *kwargs.values()]))
         mlp_inputs[index].update(_storage(t) for t in _tensors([*args, *kwargs.values()]))
@@ -215,7 +218,7 @@ def _saved_at(model: torch.nn.Module, layers: list[torch.nn.Module], tokens: int
     handles = []
     for index, layer in enumerate(layers):
         handles += [layer.register_forward_pre_hook(lambda m, a, k, i=index: enter(i, a, k), with_kwargs=True),
-                    layer.register_forward_hook(lambda *_: setattr(stand_in, "layer", None)),
+                    layer.register_forward_hook(leave),
                     layer.mlp.register_forward_pre_hook(lambda m, a, k, i=index: enter_mlp(i, a, k),
                                                         with_kwargs=True),
                     layer.mlp.register_forward_hook(lambda *_: state.update(mlp=False))]
