@@ -85,6 +85,12 @@ class Architecture:
         return self.shape.layer_params + self.layer_extra
 
     @property
+    def token_tiles(self) -> bool:
+        """Whether training runs this model's MLPs and norms in token tiles: the Llama-like families' modules only
+        (`LEAN_LOSS_FAMILIES`, as the lean loss); training refuses tiles for any other model at start."""
+        return self.lean_loss
+
+    @property
     def embedding_params(self) -> int:
         return self.shape.vocab * self.shape.hidden
 
@@ -429,6 +435,11 @@ class _Step:
     """One step of one rank replayed on a tape (see `predict_step_memory`)."""
 
     def __init__(self, arch: Architecture, seq_len: int, s: StepSettings) -> None:
+        if s.savers.tiled and not arch.token_tiles:
+            raise ValueError(f"{arch.name}: token tiles run the MLPs and RMSNorms of the Llama-like families "
+                             f"({', '.join(LEAN_LOSS_FAMILIES)}) only, and training refuses them for this model: "
+                             "predict it without them (MemorySavers(tiled=False); --token-tiling-min-length 0), as it "
+                             "trains (--sparse_token_tiling_min_length 0).")
         self.arch, self.s = arch, s
         sh = arch.shape
         self.t = rank_tokens(seq_len, s)

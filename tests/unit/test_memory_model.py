@@ -373,6 +373,30 @@ def test_the_memory_command_reads_two_matrix_and_gpt2_style_configs(tmp_path, ca
     assert answers["gpt2"]["parameters"] == 124_439_808 and answers["gpt2"]["longest_fitting_tokens"] > 0
 
 
+def test_the_memory_command_tiles_tokens_only_where_training_does(tmp_path, capsys):
+    """Issue #50: `memory` sized every config with token tiles from 32K tokens, where training refuses them for a
+    model outside the Llama-like families (a GPT-NeoX's LayerNorms and MLP: `memory_savers.rowwise_modules`); it now
+    answers without them, as that model trains, refuses an explicit tiling flag for it, and the model refuses tiled
+    settings for it; a Llama config keeps them."""
+    answers = {}
+    for model_type, extra in (("gpt_neox", {"num_key_value_heads": 4}), ("llama", {})):
+        tiny_config(model_type, vocab_size=300, **extra).save_pretrained(tmp_path / model_type)
+        cli_main(["memory", "--config", str(tmp_path / model_type), "--gpu-memory", "80GB", "--seq-len", "65536",
+                  "--json", str(tmp_path / f"{model_type}.json")])
+        answers[model_type] = json.loads((tmp_path / f"{model_type}.json").read_text())["lengths"]["65536"]
+    assert "Without token tiles" in capsys.readouterr().out
+    assert (answers["gpt_neox"]["token_tiles"], answers["llama"]["token_tiles"]) == (False, True)
+    arch = Architecture.from_config(tiny_config("gpt_neox", vocab_size=300, num_key_value_heads=4))
+    untiled = predict_step_memory(arch, 65536, StepSettings(master_weights=True))  # (the command's precision)
+    assert answers["gpt_neox"]["peak_gib"] * 2**30 == pytest.approx(untiled.peak_bytes, rel=1e-12)
+    with pytest.raises(ValueError, match="Llama-like families.*--sparse_token_tiling_min_length 0"):
+        predict_step_memory(arch, 65536, with_savers(StepSettings(), tiled=True))
+    with pytest.raises(SystemExit):
+        cli_main(["memory", "--config", str(tmp_path / "gpt_neox"), "--gpu-memory", "80GB",
+                  "--token-tiling-min-length", "16384"])
+    assert "refuses them for" in capsys.readouterr().err
+
+
 def test_token_tiles_and_offload_cut_what_the_model_says():
     arch = PRESETS["qwen2.5-0.5b"]
     stock = predict_step_memory(arch, 1 << 20)
