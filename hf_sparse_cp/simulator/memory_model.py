@@ -8,7 +8,8 @@ the stock forward's logits where the lean loss does not replace it), the backwar
 allocation is sized from the shapes (bytes per token x tokens + constant bytes) and named by the
 term it belongs to; the live bytes are tracked op by op, and each phase's peak is reported with the
 live bytes of every term at that moment. The byte counts come from reading the code that runs:
-transformers' Qwen2/Llama layers, the `sparse_cp` backend (estimation, layout, the Triton kernels'
+transformers' Qwen2/Llama layers (a config's layers: what they save measured on its model,
+`shapes.layer_saved`), the `sparse_cp` backend (estimation, layout, the Triton kernels'
 launchers or the PyTorch reference), the chunked loss or liger-kernel 0.8.5's, torch's AdamW, the
 ring's buffers; `benchmarks/memory_model.py` compares the sum with peaks measured on a CPU.
 

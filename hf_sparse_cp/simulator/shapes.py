@@ -190,7 +190,6 @@ def _saved_at(model: torch.nn.Module, layers: list[torch.nn.Module], tokens: int
     mlp_inputs: list[set[int]] = [set() for _ in layers]
     state = {"mlp": False}
     stand_in = _AttentionStandIn()
-
     held: list[torch.Tensor] = []  # (the arguments, alive until the end: a freed storage's identity is reused)
 
     def enter(index: int, args, kwargs) -> None:
@@ -202,8 +201,9 @@ def _saved_at(model: torch.nn.Module, layers: list[torch.nn.Module], tokens: int
         stand_in.layer = None
 
     def enter_mlp(index: int, args, kwargs) -> None:
-        held.extend(_tensors([*args, *kwargs.values()]))
-        mlp_inputs[index].update(_storage(t) for t in _tensors([*args, *kwargs.values()]))
+        inputs = _tensors([*args, *kwargs.values()])
+        held.extend(inputs)
+        mlp_inputs[index].update(_storage(t) for t in inputs)
         state["mlp"] = True
 
     def pack(t: torch.Tensor) -> torch.Tensor:
