@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 from ..config import SparseAttentionConfig
+from ..config.model_fields import LEAN_LOSS_FAMILIES
 from ..distributed.split.documents import PlannerCosts
 from ..memory.savers import MemorySavers
 from ..recipes import pattern_path
@@ -149,8 +150,9 @@ def _pattern(args) -> SparseAttentionConfig:
         SparseAttentionConfig()
 
 
-def settings_for_length(args) -> callable:
-    """The step settings for each sequence length, as the plugin picks them (token tiles from a length on)."""
+def settings_for_length(args, arch: Architecture) -> callable:
+    """The step settings for each sequence length, as the plugin picks them (token tiles from a length on, for a model
+    whose modules training tiles: `Architecture.token_tiles`)."""
     pattern = _pattern(args)
     curve = None if args.layout_width == "bound" else \
         KeptCurve.from_report(args.kept_curve) if args.kept_curve else DEFAULT_CURVE
@@ -161,7 +163,7 @@ def settings_for_length(args) -> callable:
                         pattern=pattern, loss_backend=args.loss_backend, kept_curve=curve)
 
     def settings(seq_len: int) -> StepSettings:
-        tiled = bool(args.token_tiling_min_length) and seq_len >= args.token_tiling_min_length
+        tiled = arch.token_tiles and bool(args.token_tiling_min_length) and seq_len >= args.token_tiling_min_length
         savers = MemorySavers(tiled=tiled, tile_tokens=args.token_tile_size,
                               offload_layer_inputs=args.offload_layer_inputs)
         return dataclasses.replace(base, savers=savers)
@@ -227,7 +229,7 @@ def predict(args: argparse.Namespace, capacity: float) -> dict:
     the longest whose peak fits even at the top of `MEASURED_BAND`) and the predicted step at it and at
     `args.seq_len` (what `main` prints and `memory_table` tabulates)."""
     arch = architecture(args)
-    settings = settings_for_length(args)
+    settings = settings_for_length(args, arch)
     budget = args.usable_fraction * capacity
     longest = longest_fitting_length(arch, budget, settings, granularity=GRANULARITY, limit=SEARCH_LIMIT)
     margin = longest_fitting_length(arch, budget / MEASURED_BAND[1], settings, granularity=GRANULARITY,
@@ -253,7 +255,7 @@ def _nothing_fits(args: argparse.Namespace, arch: Architecture, budget: float) -
     state (FSDP shards it), or the terms of the sequence (at a high CP degree the shortest length is long: attention
     layouts span every key block of it)."""
     shortest = GRANULARITY * args.cp
-    est = predict_step_memory(arch, shortest, settings_for_length(args)(shortest))
+    est = predict_step_memory(arch, shortest, settings_for_length(args, arch)(shortest))
     terms = est.terms()
     state = sum(b for t, b in terms.items() if t in MODEL_STATE_TERMS)
     largest = ", ".join(f"{t} {_gb(b)}" for t, b in list(terms.items())[:3])
@@ -275,12 +277,19 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
     try:
         if args.json:
             check_output_file(args.json, "--json")
-        _check_read(args, parser, given_flags(argv, prog), _pattern(args))
+        given = given_flags(argv, prog)
+        _check_read(args, parser, given, _pattern(args))
         capacity = parse_memory(args.gpu_memory)
         capacity = device_memory() if capacity is None else capacity
-        settings = settings_for_length(args)
-        settings(1)  # validates the settings
         arch = architecture(args)
+        tiles = sorted({"token_tiling_min_length", "token_tile_size"} & given)
+        if not arch.token_tiles and tiles and args.token_tiling_min_length:
+            parser.error(f"--{tiles[0].replace('_', '-')}: training runs token tiles on the Llama-like families' MLPs "
+                         f"and RMSNorms only ({', '.join(LEAN_LOSS_FAMILIES)}) and refuses them for "
+                         f"{model_name(args)}; drop it (its answer is without tiles, as it trains with "
+                         "--sparse_token_tiling_min_length 0).")
+        settings = settings_for_length(args, arch)
+        settings(1)  # validates the settings
         predict_step_memory(arch, 1024, settings(1024))  # and them on this model (a head split its heads allow)
     except (ValueError, OSError) as e:
         parser.error(str(e))
@@ -300,6 +309,9 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
     print(f"{report['model']} ({_parameters(arch.params)} parameters), {precision}, {args.optimizer}, {where}, one GPU "
           f"of {_gb(capacity)} ({_gb(budget)} usable). Predictions of hf_sparse_cp.simulator.memory_model, not "
           "measurements.")
+    if not arch.token_tiles and args.token_tiling_min_length:
+        print(f"Without token tiles: training runs them on the Llama-like families' modules only and refuses them for "
+              f"{report['model']}, which trains with --sparse_token_tiling_min_length 0.")
     low, high = MEASURED_BAND
     if longest:
         margin = report["longest_fitting_tokens_at_band_top"]

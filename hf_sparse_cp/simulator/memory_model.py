@@ -8,7 +8,8 @@ the stock forward's logits where the lean loss does not replace it), the backwar
 allocation is sized from the shapes (bytes per token x tokens + constant bytes) and named by the
 term it belongs to; the live bytes are tracked op by op, and each phase's peak is reported with the
 live bytes of every term at that moment. The byte counts come from reading the code that runs:
-transformers' Qwen2/Llama layers, the `sparse_cp` backend (estimation, layout, the Triton kernels'
+transformers' Qwen2/Llama layers (a config's layers: what they save measured on its model,
+`shapes.layer_saved`), the `sparse_cp` backend (estimation, layout, the Triton kernels'
 launchers or the PyTorch reference), the chunked loss or liger-kernel 0.8.5's, torch's AdamW, the
 ring's buffers; `benchmarks/memory_model.py` compares the sum with peaks measured on a CPU.
 
@@ -29,13 +30,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+import torch
+
 from ..attention import build, reference, scoring
 from ..config import SparseAttentionConfig
 from ..config.model_fields import LEAN_LOSS_FAMILIES, decoder_layers
 from ..distributed.heads.split import HeadSplit
 from ..memory.savers import MemorySavers
 from .kept_curve import DEFAULT_CURVE, KeptCurve
-from .shapes import MODELS, ModelShape, check_decoder, meta_model
+from .shapes import MODELS, LayerSaved, ModelShape, check_decoder, layer_saved, meta_model
 
 GIB = 2**30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -61,7 +64,9 @@ class Architecture:
     (`layer_extra`: biases, norm weights) and the model's outside its layers (`model_extra`: the final norm,
     position embeddings, an LM head's bias); whether training computes its loss with the lean loss (`lean_loss`:
     the Llama-like families, `LEAN_LOSS_FAMILIES`) or its stock forward's [tokens, vocab] logits; the elements of
-    its largest parameter where that is not the embedding (`largest_param`: GPT-2's learned positions; 0: none)."""
+    its largest parameter where that is not the embedding (`largest_param`: GPT-2's learned positions; 0: none);
+    what each decoder layer saves for backward besides its attention core and MLP, measured on the model by
+    activation dtype (`layer_saved`: `shapes.LayerSaved`; None: a Llama layer's, counted on its code)."""
 
     shape: ModelShape
     tied_embeddings: bool
@@ -69,6 +74,7 @@ class Architecture:
     model_extra: int
     lean_loss: bool = True
     largest_param: int = 0
+    layer_saved: dict[str, tuple[LayerSaved, ...]] | None = None
 
     @property
     def name(self) -> str:
@@ -78,6 +84,12 @@ class Architecture:
     def layer_params(self) -> int:
         """Parameters of one decoder layer: its matrices, biases and norm weights."""
         return self.shape.layer_params + self.layer_extra
+
+    @property
+    def token_tiles(self) -> bool:
+        """Whether training runs this model's MLPs and norms in token tiles: the Llama-like families' modules only
+        (`LEAN_LOSS_FAMILIES`, as the lean loss); training refuses tiles for any other model at start."""
+        return self.lean_loss
 
     @property
     def embedding_params(self) -> int:
@@ -94,14 +106,15 @@ class Architecture:
         """From a transformers config of a decoder (`ModelShape.from_config`, which names a missing field), its
         parameters counted on the model transformers builds from it on the meta device: whether the LM head is the
         embedding, the layers' and the rest's parameters (biases, LayerNorms' or RMSNorms' weights, position
-        embeddings, an LM head's bias).
+        embeddings, an LM head's bias), and what its layers save for backward (`shapes.layer_saved`, in each
+        activation dtype).
 
         Raises:
-            ValueError: `ModelShape.from_config`'s (naming the field and the fix, after `where`), or a model without
-                the lean loss that soft-caps its logits (temporaries not modelled).
+            ValueError: `ModelShape.from_config`'s and `shapes.layer_saved`'s (naming the field and the fix, after
+                `where`), or a model without the lean loss that soft-caps its logits (temporaries not modelled).
         """
         where = where or name or getattr(config, "model_type", "the config")
-        check_decoder(config, where)  # (before the build, whose own errors would name less)
+        kv_heads = check_decoder(config, where)[1]  # (before the build, whose own errors would name less)
         lean = config.model_type in LEAN_LOSS_FAMILIES
         if not lean and getattr(config, "final_logit_softcapping", None) is not None:
             raise ValueError(f"{where}: final_logit_softcapping={config.final_logit_softcapping}: the stock loss of "
@@ -116,8 +129,9 @@ class Architecture:
         total = sum(p.numel() for p in model.parameters())
         rest = total - shape.layers * layer - (1 if tied else 2) * shape.vocab * shape.hidden
         largest = max(p.numel() for p in model.parameters())
+        saved = {dtype: layer_saved(model, getattr(torch, dtype), kv_heads, where) for dtype in DTYPE_BYTES}
         return cls(shape, tied, layer - shape.layer_params, rest, lean,
-                   largest if largest > shape.vocab * shape.hidden else 0)
+                   largest if largest > shape.vocab * shape.hidden else 0, saved)
 
 
 def _qwen_like(shape: ModelShape, tied_embeddings: bool, qkv_bias: bool) -> Architecture:
@@ -422,6 +436,11 @@ class _Step:
     """One step of one rank replayed on a tape (see `predict_step_memory`)."""
 
     def __init__(self, arch: Architecture, seq_len: int, s: StepSettings) -> None:
+        if s.savers.tiled and not arch.token_tiles:
+            raise ValueError(f"{arch.name}: token tiles run the MLPs and RMSNorms of the Llama-like families "
+                             f"({', '.join(LEAN_LOSS_FAMILIES)}) only, and training refuses them for this model: "
+                             "predict it without them (MemorySavers(tiled=False); --token-tiling-min-length 0), as it "
+                             "trains (--sparse_token_tiling_min_length 0).")
         self.arch, self.s = arch, s
         sh = arch.shape
         self.t = rank_tokens(seq_len, s)
@@ -435,7 +454,7 @@ class _Step:
         self.offload = s.savers.offload_layer_inputs and s.gradient_checkpointing and s.device == "cuda"
         # each layer's sliding window (None: global); the tape's current layer's is `window`
         self.windows = sh.windows or (None,) * sh.layers
-        self.window = self.windows[0]
+        self.layer, self.window = 0, self.windows[0]  # the tape's current layer and its window
         self.seq_len = seq_len
         # The attention call: with head groups (the CP mode's head_size) on the head split, over head_size pieces
         # of the sequence for the busiest rank's share of the heads (K/V expanded or replicated as `HeadSplit`
@@ -457,6 +476,15 @@ class _Step:
     def geometry(self) -> _AttentionGeometry:
         """The attention of the tape's current layer (`window`)."""
         return self.geometries[self.window]
+
+    @property
+    def measured(self) -> LayerSaved | None:
+        """What the current layer saves besides its attention core and MLP, measured (`Architecture.layer_saved`);
+        None where it is the Llama layer's counted here: a preset's, and with token tiles (which replace the
+        Llama-like families' modules only)."""
+        if self.arch.layer_saved is None or self.s.savers.tiled:
+            return None
+        return self.arch.layer_saved[self.s.dtype][self.layer]
 
     @property
     def sparse(self) -> bool:
@@ -605,11 +633,19 @@ class _Step:
         saved2, n2 = self.norm(True)
         mlp = self.mlp(True)
         tape.transient("attention tensors", per_token=a * h)  # the MLP's output, made before the stop
-        if self.s.savers.tiled:  # the tiled norm saves its input
+        if self.s.savers.tiled or not self.norm32:  # the tiled norm saves its input; so does an fp32 one (no copy)
             saved2.append(h1)
         else:
             tape.free(h1)
         groups = {"norm1": saved1 + [n1], "attention": att, "norm2": saved2 + [n2], "mlp": mlp}
+        measured = self.measured
+        if measured is not None:  # the layer's own tensors in place of the Llama layer's, freed as theirs
+            tape.free(*groups["norm1"], *groups["norm2"])
+            if self.s.head_size == 1:  # (with head groups attention saves the all-to-all's copies instead)
+                tape.free(*att[:3])
+                att[:3] = [tape.alloc("attention tensors", measured.inputs.per_token, measured.inputs.const)]
+            groups["norm1"], groups["norm2"] = ([tape.alloc("recomputed layer: saved activations", part.per_token,
+                                                            part.const)] for part in (measured.before, measured.after))
         for name in ("norm1", "attention", "norm2"):  # reported as one term (the MLP's and the layout apart)
             for handle in groups[name]:
                 term, p, c = tape.live[handle]
@@ -706,8 +742,8 @@ class _Step:
         casts = tape.alloc("autocast weight copies", const=n_layers * arch.layer_params * a) if s.master_weights \
             else None
         floor = [tape.alloc("saved layer inputs", per_token=0 if self.offload else a * h)]  # the embedding
-        for window in self.windows:
-            self.window = window
+        for layer, window in enumerate(self.windows):
+            self.layer, self.window = layer, window
             floor.append(self.layer_forward())
         last = floor.pop()  # the final norm's input (saved by the norm, not by a checkpoint)
         tape.live[last] = ("hidden-state gradients", a * h, 0.0)
@@ -732,7 +768,7 @@ class _Step:
         grad = tape.alloc("hidden-state gradients", per_token=a * h)
         tape.free(grad_hidden)
         for layer in reversed(range(n_layers)):
-            self.window = self.windows[layer]
+            self.layer, self.window = layer, self.windows[layer]
             copied = tape.alloc("saved layer inputs", per_token=a * h) if self.offload else None
             cast = tape.alloc("autocast weight copies", const=arch.layer_params * a) if s.master_weights else None
             saved = self.layer_recompute()
@@ -856,7 +892,7 @@ def recomputed_layer_bytes(arch: Architecture, seq_len: int, settings: StepSetti
     them: `SparseLayout.take_apart`) apart, as 'layout'. The layer's input is not counted (the checkpoint
     holds it: 'saved layer inputs')."""
     step = _Step(arch, seq_len, settings or StepSettings())
-    step.window = step.windows[layer]
+    step.layer, step.window = layer, step.windows[layer]
     groups = step.layer_recompute()
     out = {name: 0.0 for name in groups}
     out["layout"] = 0.0

@@ -6,10 +6,15 @@ from it (`config.model_fields`: the expert counts, the decoder layers)."""
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 # (EXPERT_COUNTS: the predictions count one dense MLP per layer, a mixture of experts is refused)
 from ..config.model_fields import EXPERT_COUNTS, decoder_layers
@@ -99,6 +104,189 @@ def mlp_form(model: torch.nn.Module, config: Any, where: str) -> tuple[bool, flo
                          f"({field or 'no activation field'} in the config) whose saved tensors the predictions can "
                          "measure; give a decoder whose MLP has one (e.g. silu, gelu), or a preset (--model).")
     return weights == 3 * hidden * width, activation_saved(activations[0])
+
+
+# The lengths a decoder layer's saved tensors are measured at (on the meta device, where nothing is computed): the
+# bytes per token and the constant bytes from the first two, the third checks that the bytes are affine in the tokens.
+SAVED_LENGTHS = (64, 128, 192)
+
+
+@dataclass(frozen=True)
+class SavedBytes:
+    """Bytes saved for backward: `per_token` x the tokens + `const`."""
+
+    per_token: float
+    const: float = 0.0
+
+
+@dataclass(frozen=True)
+class LayerSaved:
+    """What one decoder layer's forward saves for its backward, counted by autograd's hooks (`layer_saved`), apart
+    from what the attention call creates (its output, log-sum-exp and layout: sized from our kernels) and what the
+    MLP creates (sized from its activation: `activation_saved`): `before` the attention call (the first norm's
+    tensors, the projections' input, rotary's and q/k norms' tensors), the attention's `inputs` (q, k, v as the layer
+    hands them, which our attention saves as given: the whole output of a fused projection that v is a view of),
+    saved by nothing else, and `after` it (the next norms' tensors, the MLP's input)."""
+
+    before: SavedBytes
+    inputs: SavedBytes
+    after: SavedBytes
+
+
+class _AttentionStandIn(TorchFunctionMode):
+    """SDPA's stand-in in a measuring forward: returns an output of the query's shape in [B, S, H, D] memory (as the
+    sparse_cp kernels write it, so that transformers' transpose back is a view of it), saves nothing, and records
+    each call's (layer, q, k, v, output) under `layer`, the decoder layer running."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer: int | None = None
+        self.calls: list[tuple[int | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **(kwargs or {}))
+        q, k, v = args[:3]
+        b, heads, tokens, _ = q.shape
+        out = q.new_empty(b, tokens, heads, v.shape[-1]).transpose(1, 2).requires_grad_(q.requires_grad)
+        self.calls.append((self.layer, q, k, v, out))
+        return out
+
+
+@contextlib.contextmanager
+def _sdpa_keeps_key_value_heads() -> Iterator[None]:
+    """transformers' SDPA call takes grouped K/V heads as they are (`enable_gqa`) rather than repeating them, as our
+    attention takes them (its `use_gqa_in_sdpa` reads TRANSFORMERS_SDPA_FORCE_GQA at each call); restored after."""
+    name, before = "TRANSFORMERS_SDPA_FORCE_GQA", os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a forward's argument (a tensor, or a tuple or list of them: rotary's cos and sin)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for item in value for t in _tensors(item)] if isinstance(value, (tuple, list)) else []
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The identity of `t`'s storage (views share it; on the meta device every data pointer is 0)."""
+    return t.untyped_storage()._cdata
+
+
+def _saved_at(model: torch.nn.Module, layers: list[torch.nn.Module], tokens: int, kv_heads: int, where: str
+              ) -> list[tuple[int, int, int]]:
+    """Per decoder layer, (before, inputs, after) bytes of `LayerSaved` in one forward of `model` (on the meta device,
+    with grad) of one sequence of `tokens`, attention through `_AttentionStandIn`."""
+    known = {_storage(t) for t in (*model.parameters(), *model.buffers())}
+    saved: list[dict[int, tuple[int, bool]]] = [{} for _ in layers]  # storage -> (bytes, after the attention call)
+    mlp_saved: list[set[int]] = [set() for _ in layers]  # saved inside the MLP: its input, and what it creates
+    mlp_inputs: list[set[int]] = [set() for _ in layers]
+    state = {"mlp": False}
+    stand_in = _AttentionStandIn()
+    held: list[torch.Tensor] = []  # (the arguments, alive until the end: a freed storage's identity is reused)
+
+    def enter(index: int, args, kwargs) -> None:
+        held.extend(_tensors([*args, *kwargs.values()]))
+        known.update(_storage(t) for t in held)
+        stand_in.layer = index
+
+    def leave(*_) -> None:
+        stand_in.layer = None
+
+    def enter_mlp(index: int, args, kwargs) -> None:
+        inputs = _tensors([*args, *kwargs.values()])
+        held.extend(inputs)
+        mlp_inputs[index].update(_storage(t) for t in inputs)
+        state["mlp"] = True
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        index = stand_in.layer
+        if index is not None and _storage(t) not in known:
+            after = any(call[0] == index for call in stand_in.calls)
+            saved[index].setdefault(_storage(t), (t.untyped_storage().nbytes(), after))
+            if state["mlp"]:
+                mlp_saved[index].add(_storage(t))
+        return t
+
+    handles = []
+    for index, layer in enumerate(layers):
+        handles += [layer.register_forward_pre_hook(lambda m, a, k, i=index: enter(i, a, k), with_kwargs=True),
+                    layer.register_forward_hook(leave),
+                    layer.mlp.register_forward_pre_hook(lambda m, a, k, i=index: enter_mlp(i, a, k),
+                                                        with_kwargs=True),
+                    layer.mlp.register_forward_hook(lambda *_: state.update(mlp=False))]
+    kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    try:
+        # (a 4D mask: transformers' mask functions return it as given, reading no token's value on the meta device)
+        with stand_in, _sdpa_keeps_key_value_heads(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=torch.zeros(1, tokens, dtype=torch.long, device="meta"),
+                  attention_mask=torch.ones(1, 1, tokens, tokens, dtype=torch.bool, device="meta"), **kwargs)
+    except Exception as error:  # (any architecture's failure on the meta device: reported, never guessed around)
+        raise ValueError(f"{where}: the predictions measure what a decoder layer saves for backward in a forward "
+                         f"of the model on the meta device, which failed ({type(error).__name__}: {error}); give a "
+                         "decoder that runs there, or a preset (--model).") from error
+    finally:
+        for handle in handles:
+            handle.remove()
+    out = []
+    for index, layer in enumerate(layers):
+        calls = [call for call in stand_in.calls if call[0] == index]
+        heads = [call[2].shape[1] for call in calls]
+        if heads != [kv_heads]:
+            raise ValueError(f"{where}: decoder layer {index} ({type(layer).__name__}) made {len(calls)} SDPA calls "
+                             f"(key/value heads {heads}); the predictions measure what a layer saves around one "
+                             f"attention call of the config's {kv_heads} key/value heads; give a decoder with one, or "
+                             "a preset (--model).")
+        _, q, k, v, output = calls[0]
+        created = (mlp_saved[index] - mlp_inputs[index]) | {_storage(output)}
+        parts = [sum(n for s, (n, late) in saved[index].items() if late == after and s not in created)
+                 for after in (False, True)]
+        inputs = {_storage(t): t.untyped_storage().nbytes() for t in (q, k, v)
+                  if _storage(t) not in known and _storage(t) not in saved[index]}
+        out.append((parts[0], sum(inputs.values()), parts[1]))
+    return out
+
+
+def layer_saved(model: torch.nn.Module, dtype: torch.dtype, kv_heads: int, where: str) -> tuple[LayerSaved, ...]:
+    """`LayerSaved` of each decoder layer of `model` (built on the meta device) with activations in `dtype`, counted by
+    autograd's saved-tensor hooks in forwards with grad at `SAVED_LENGTHS` tokens, the attention through SDPA's
+    stand-in (`_AttentionStandIn`), without dropout. The model is moved to `dtype`, set to eval and its attention to
+    SDPA.
+
+    Raises:
+        ValueError: the model does not run on the meta device, a layer makes other than one attention call of
+            `kv_heads` key/value heads, or a layer's bytes are not affine in the tokens; naming the fix, after `where`.
+    """
+    try:
+        model.set_attn_implementation("sdpa")
+    except (ValueError, ImportError) as error:
+        raise ValueError(f"{where}: the predictions measure what a decoder layer saves around its attention call "
+                         f"through SDPA, which {type(model).__name__} does not take ({error}); give a decoder that "
+                         "does, or a preset (--model).") from error
+    model.to(dtype).eval()  # (dropout's masks are not counted: on the meta device they are not a CPU's or a GPU's)
+    layers = decoder_layers(model)
+    counts = [_saved_at(model, layers, tokens, kv_heads, where) for tokens in SAVED_LENGTHS]
+    (t1, t2, t3), result = SAVED_LENGTHS, []
+    for index, by_length in enumerate(zip(*counts)):
+        parts = []
+        for b1, b2, b3 in zip(*by_length):
+            per_token = (b2 - b1) / (t2 - t1)
+            const = b1 - per_token * t1
+            if (b3 - b2) * (t2 - t1) != (b2 - b1) * (t3 - t2) or const < 0:
+                raise ValueError(f"{where}: decoder layer {index} saves {b1:,}, {b2:,} and {b3:,} bytes for backward "
+                                 f"at {t1}, {t2} and {t3} tokens, not a number per token and a constant, which the "
+                                 "predictions scale; give a decoder whose layers save per token, or a preset "
+                                 "(--model).")
+            parts.append(SavedBytes(per_token, const))
+        result.append(LayerSaved(*parts))
+    return tuple(result)
 
 
 def check_decoder_sizes(where: str, sizes: dict[str, Any]) -> None:

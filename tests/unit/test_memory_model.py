@@ -122,6 +122,73 @@ def test_an_mlp_saves_what_the_model_counts(model_type):
     assert measured == predicted["mlp"] > 0
 
 
+def _first_layer_saved(model, ids) -> tuple[int, int]:
+    """(activations, layout) bytes of the distinct storages autograd saves while the first decoder layer of `model`
+    runs in a forward of `ids`, besides those that existed when it started (its arguments, the parameters)."""
+    layer, known, seen, running = decoder_layers(model)[0], {p.untyped_storage().data_ptr() for p in model.parameters()
+                                                             }, {}, []
+
+    def enter(module, args, kwargs):
+        for value in (*args, *kwargs.values()):
+            for t in value if isinstance(value, tuple) else (value,):
+                if isinstance(t, torch.Tensor):
+                    known.add(t.untyped_storage().data_ptr())
+        running.append(True)
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if running and storage.data_ptr() not in known:
+            seen[storage.data_ptr()] = storage.nbytes(), t.dtype == torch.int32
+        return t
+
+    handles = [layer.register_forward_pre_hook(enter, with_kwargs=True),
+               layer.register_forward_hook(lambda *_: running.clear())]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, use_cache=False)  # (as training runs: a cache would copy GPT-2's K/V views)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return tuple(sum(n for n, is_layout in seen.values() if is_layout == part) for part in (False, True))
+
+
+# Dense decoders whose layers differ from a Llama one: LayerNorm (GPT-NeoX, Phi, StarCoder2, GPT-2), a fused q/k/v
+# projection (GPT-NeoX, GPT-2), partial rotary (GPT-NeoX, Phi), parallel attention and MLP (GPT-NeoX, Phi), Gemma 3's
+# four norms and q/k norms; the tiny fields' 2 key/value heads are refused where the attention has none of its own.
+LAYER_FORMS = {"llama": {}, "gpt_neox": {"num_key_value_heads": 4}, "phi": {}, "starcoder2": {},
+               "gpt2": {"num_key_value_heads": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0}, "gemma3_text": {}}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("model_type", sorted(LAYER_FORMS))
+def test_a_recomputed_layer_of_any_architecture_saves_what_the_model_counts(model_type, dtype):
+    """Issue #50: a non-Llama layer was sized as a Llama one (these tiny configs at 512 tokens, bf16: predicted 18-47%
+    over for GPT-NeoX, Phi, StarCoder2 and GPT-2, 45% under for Gemma 3); its saved tensors are now measured on the
+    model (on the meta device, at other lengths), and equal those autograd's hooks count in a real CPU forward with
+    the sparse_cp attention, whose core (output, log-sum-exp, layout) the model sizes from its code. An fp32 Llama
+    layer's post-attention RMSNorm saves its input, the residual sum (which bf16 copies to fp32): 5.9% under before."""
+    hf_sparse_cp.patch()
+    config = tiny_config(model_type, vocab_size=300, **LAYER_FORMS[model_type])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sparse_cp", dtype=getattr(torch, dtype))
+    configure(model, PATTERN)
+    model.train()
+    s = 512
+    measured, layout = _first_layer_saved(model, torch.randint(0, config.vocab_size, (1, s)))
+
+    arch = Architecture.from_config(config)
+    settings = StepSettings(dtype=dtype, device="cpu", pattern=PATTERN)
+    predicted = recomputed_layer_bytes(arch, s, settings)
+    if model_type == "llama":  # the Llama layer's inventory, counted on its code (the presets'): the same
+        counted = recomputed_layer_bytes(dataclasses.replace(arch, layer_saved=None), s, settings)
+        assert measured == sum(v for k, v in counted.items() if k != "layout")
+    # (the measurement keeps a LayerNorm's mean and rstd in fp32, as CUDA does; a CPU in the input's dtype)
+    norms = sum(isinstance(m, torch.nn.LayerNorm) for m in decoder_layers(model)[0].modules())
+    statistics = norms * 2 * s * (4 - model.dtype.itemsize)
+    assert measured + statistics == sum(v for k, v in predicted.items() if k != "layout")
+    assert 0 < layout <= predicted["layout"]
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_model_without_the_lean_loss_holds_its_stock_logits(dtype):
     """Issue #50: every config was predicted with the lean loss, which replaces the forward of the Llama-like causal
@@ -304,6 +371,30 @@ def test_the_memory_command_reads_two_matrix_and_gpt2_style_configs(tmp_path, ca
     answers = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("pythia-1.4b", "gpt2")}
     assert answers["pythia-1.4b"]["parameters"] == 1_414_647_808 and "(1.41B parameters)" in said
     assert answers["gpt2"]["parameters"] == 124_439_808 and answers["gpt2"]["longest_fitting_tokens"] > 0
+
+
+def test_the_memory_command_tiles_tokens_only_where_training_does(tmp_path, capsys):
+    """Issue #50: `memory` sized every config with token tiles from 32K tokens, where training refuses them for a
+    model outside the Llama-like families (a GPT-NeoX's LayerNorms and MLP: `memory_savers.rowwise_modules`); it now
+    answers without them, as that model trains, refuses an explicit tiling flag for it, and the model refuses tiled
+    settings for it; a Llama config keeps them."""
+    answers = {}
+    for model_type, extra in (("gpt_neox", {"num_key_value_heads": 4}), ("llama", {})):
+        tiny_config(model_type, vocab_size=300, **extra).save_pretrained(tmp_path / model_type)
+        cli_main(["memory", "--config", str(tmp_path / model_type), "--gpu-memory", "80GB", "--seq-len", "65536",
+                  "--json", str(tmp_path / f"{model_type}.json")])
+        answers[model_type] = json.loads((tmp_path / f"{model_type}.json").read_text())["lengths"]["65536"]
+    assert "Without token tiles" in capsys.readouterr().out
+    assert (answers["gpt_neox"]["token_tiles"], answers["llama"]["token_tiles"]) == (False, True)
+    arch = Architecture.from_config(tiny_config("gpt_neox", vocab_size=300, num_key_value_heads=4))
+    untiled = predict_step_memory(arch, 65536, StepSettings(master_weights=True))  # (the command's precision)
+    assert answers["gpt_neox"]["peak_gib"] * 2**30 == pytest.approx(untiled.peak_bytes, rel=1e-12)
+    with pytest.raises(ValueError, match="Llama-like families.*--sparse_token_tiling_min_length 0"):
+        predict_step_memory(arch, 65536, with_savers(StepSettings(), tiled=True))
+    with pytest.raises(SystemExit):
+        cli_main(["memory", "--config", str(tmp_path / "gpt_neox"), "--gpu-memory", "80GB",
+                  "--token-tiling-min-length", "16384"])
+    assert "refuses them for" in capsys.readouterr().err
 
 
 def test_token_tiles_and_offload_cut_what_the_model_says():
