@@ -236,13 +236,13 @@ PATCHES = (
     Patch("trl.GRPOTrainer", "_prepare_inputs", "replaces", "under CP, each CP group's first rank generates, scores "
           "and computes the reference and old log-probabilities of the step's rows (GRPO's own code, seen "
           "data-parallel), and broadcasts them to its group", _CP_UNDO, ("self", "generation_batch")),
-    Patch("trl.GRPOTrainer", "_metrics", "sets", "under CP, the metrics GRPO logs, which each CP group's first rank "
-          "computes as it generates (`_prepare_inputs`), are copied to the other ranks of its group with the step's "
-          "rows", "nothing to undo (the step's metrics, logged and cleared by GRPO)", on_instances=True),
+    Patch("trl.GRPOTrainer", "_metrics", "reads", "under CP, the metrics GRPO logs, which each CP group's first "
+          "rank computes as it generates (`_prepare_inputs`), go to the other ranks of its group with the step's rows "
+          "(their values copied into the others' dict of the step's metrics)", on_instances=True),
     Patch("trl.GRPOTrainer", "_compute_loss", "replaces", "under CP, GRPO's loss and metrics run in the data-parallel "
           "view (its normalization by num_processes, its gathers of metrics over the DP group)", _CP_UNDO,
           ("self", "model", "inputs")),
-    Patch("trl.GRPOTrainer", "accelerator", "replaces", "while GRPO's own code runs under CP, its accelerator is "
+    Patch(_TRAINER, "accelerator", "replaces", "while GRPO's own code runs under CP, its accelerator is "
           "the data-parallel view (`generated_rows.DataParallelView`): num_processes, process_index and collectives "
           "over the DP group", "the end of the call (`temporarily`)", on_instances=True),
     *(Patch("trl.trainer.grpo_trainer", name, "replaces", f"while GRPO's own code runs under CP, the {name} it "

@@ -123,6 +123,15 @@ class DataParallelView:
         return torch.cat([pad, tensor] if pad_first else [tensor, pad], dim=dim)
 
 
+@contextlib.contextmanager
+def seen_as(trainer, view: DataParallelView) -> Iterator[None]:
+    """GRPO's accelerator and the collectives its module imports from accelerate are `view`'s inside the block."""
+    module = sys.modules[GRPO_MODULE]
+    with (temporarily(trainer, "accelerator", view), temporarily(module, "gather", view.gather),
+          temporarily(module, "gather_object", view.gather_object)):
+        yield
+
+
 def dp_groups(parallel: ParallelDims):
     """This rank's data-parallel group: the ranks at its place in every CP group (None at DP 1). Every rank builds
     every group, as `torch.distributed.new_group` requires."""
@@ -146,14 +155,10 @@ def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDi
     set_seed(trainer.args.seed + layout.dp_rank)
     patches.set_attr(trainer.args, "generation_batch_size", generation_batch_size(trainer.args, layout.dp_size))
     view = DataParallelView(trainer.accelerator, layout, dp_groups(layout))
-    module = sys.modules[GRPO_MODULE]
     preparing = [False]
 
-    @contextlib.contextmanager
-    def seen_data_parallel() -> Iterator[None]:
-        with (temporarily(trainer, "accelerator", view), temporarily(module, "gather", view.gather),
-              temporarily(module, "gather_object", view.gather_object)):
-            yield
+    def seen_data_parallel():
+        return seen_as(trainer, view)
 
     prepare_inputs, compute_loss = trainer._prepare_inputs, trainer._compute_loss
 
