@@ -109,3 +109,30 @@ def test_grpo_under_dp2_x_cp2_equals_data_parallel(tmp_path, tiny):
     for rank, run in enumerate(run_gloo(_train, 4, tiny, str(tmp_path / "dp2cp2"), {"cp_size": 2}, grpo,
                                         timeout_s=400)):
         _assert_equal(run, dp[rank // 2])
+
+
+@pytest.mark.parametrize(("setting", "refusal"), [
+    ({"use_vllm": True}, r"with --use_vllm under context parallelism \(CP 2\) is not supported.*Fix: drop --use_vllm"),
+    ({"use_transformers_continuous_batching": True},
+     r"with --use_transformers_continuous_batching .*Fix: drop --use_transformers_continuous_batching"),
+    # (as on 2 processes under CP 2: GRPO's config counts 1 prompt per process, 2 in all, a CP group holds 1: no
+    # whole group of 2 completions)
+    ({"per_device_train_batch_size": 1}, r"the generation batch, per_device_train_batch_size 1 x DP 1 x "
+                                         r"steps_per_generation 1, is not a multiple of --num_generations 2"),
+], ids=["vllm", "continuous-batching", "generation-batch"])
+def test_a_grpo_setting_cp_does_not_run_as_data_parallel_is_refused_naming_the_fix(tmp_path, tiny, setting,
+                                                                                   refusal):
+    """vLLM's and continuous batching's generation exchange prompts and completions over all processes, and a
+    generation batch of one data-parallel rank's prompts must hold whole groups: refused at start, naming the fix."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_sparse_cp.trainer.generated_rows import check_generating_trainer
+
+    args = GRPOConfig(output_dir=str(tmp_path), **GRPO, use_cpu=True)
+    trainer = GRPOTrainer(model=tiny, args=args, reward_funcs=distinct, processing_class=byte_tokenizer(),
+                          train_dataset=datasets.Dataset.from_dict(_prompts(2)))
+    check_generating_trainer(trainer, 2, 1)  # (its settings run under CP)
+    for name, value in setting.items():  # (set after the Trainer's start: vLLM is not installed here)
+        setattr(args, name, value)
+    with pytest.raises(ValueError, match=refusal):
+        check_generating_trainer(trainer, 2, 1)
