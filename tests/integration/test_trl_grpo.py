@@ -54,10 +54,13 @@ def _train(rank: int, world: int, model: str, output_dir: str, cp: dict, grpo: d
     args = sparse_arguments_class(GRPOConfig)(output_dir=output_dir, **{**GRPO, **grpo}, **PATTERN, **cp)
     trainer = sparse_trainer_class(GRPOTrainer)(model=model, args=args, reward_funcs=distinct,
                                                 train_dataset=datasets.Dataset.from_dict(_prompts()),
+                                                eval_dataset=datasets.Dataset.from_dict(_prompts(4, seed=1)),
                                                 processing_class=tokenizer)
     trainer.train()
+    evaluation = trainer.evaluate()
     logs = [log for log in trainer.state.log_history if "loss" in log]
     return {"logs": [{key: log[key] for key in LOGGED if key in log} for log in logs],
+            "eval": {key: value for key, value in evaluation.items() if key.removeprefix("eval_") in LOGGED},
             "kept": [log.get("sparse/kept_fraction") for log in logs],
             "weights": {name: p.detach().clone() for name, p in trainer.model.named_parameters()}}
 
@@ -68,6 +71,9 @@ def _assert_equal(run: dict, one: dict) -> None:
         assert got.keys() == want.keys()
         for key in want:
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (key, got[key], want[key])
+    assert run["eval"].keys() == one["eval"].keys() and "eval_reward" in one["eval"]
+    for key, want in one["eval"].items():
+        assert run["eval"][key] == pytest.approx(want, rel=1e-5, abs=1e-6), (key, run["eval"][key], want)
     for name, want in one["weights"].items():
         assert torch.allclose(run["weights"][name], want, rtol=1e-5, atol=1e-6), name
 
@@ -88,8 +94,8 @@ def tiny(tmp_path_factory) -> str:
     {"loss_type": "dr_grpo", "scale_rewards": "batch", "steps_per_generation": 2, "gradient_accumulation_steps": 2},
 ], ids=["dapo-kl", "grpo-iterations", "dr_grpo-accumulated"])
 def test_grpo_under_cp2_equals_one_process(tmp_path, tiny, grpo):
-    """Losses, rewards, KL, clip ratios, entropy and the weights after three steps under CP 2 (ring, striped) are one
-    process's."""
+    """Losses, rewards, KL, clip ratios, entropy and the weights after three steps under CP 2 (ring, striped), and an
+    evaluation's loss and rewards after them, are one process's."""
     one = run_gloo(_train, 1, tiny, str(tmp_path / "one"), {}, grpo, timeout_s=400)[0]
     # (it trained, on completions whose rewards differ within a group: advantages that are not all 0)
     # (a step that reuses its generation, num_iterations 2, logs no rewards)
