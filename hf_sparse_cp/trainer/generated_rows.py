@@ -34,7 +34,8 @@ GRPO_MODULE = "trl.trainer.grpo_trainer"
 def check_generating_trainer(trainer, cp_size: int, dp_size: int) -> None:
     """Raise ValueError, naming the setting and the fix, for a GRPO setting that CP does not run as a data-parallel
     run does: generation by vLLM or transformers' continuous batching (their own process layouts and collectives
-    over all processes), and batch sizes that the data-parallel degree does not fit."""
+    over all processes), FSDP (its forwards gather the parameters from every rank, where one rank of each CP group
+    generates alone), and batch sizes that the data-parallel degree does not fit."""
     args, cp = trainer.args, cp_size
     fix = ("or run without CP (drop --cp_size): sparse attention alone trains it, on one process or with data "
            "parallelism")
@@ -45,6 +46,12 @@ def check_generating_trainer(trainer, cp_size: int, dp_size: int) -> None:
                 "generation exchanges prompts and completions over all processes, where each CP group must hold one "
                 f"data-parallel rank's. Fix: drop --{flag} (each CP group's first rank then generates with the "
                 f"model's generate and shares the completions with its group), {fix}.")
+    if getattr(trainer, "is_fsdp_enabled", False):
+        raise ValueError(
+            f"{type(trainer).__name__} with FSDP (--fsdp) under context parallelism (CP {cp}) is not supported: each "
+            "CP group's first rank generates the step's completions alone, and a forward of sharded parameters "
+            "gathers them from every rank. Fix: drop --fsdp (DDP keeps whole parameters on each rank), "
+            f"{fix}.")
     generations = trainer.num_generations
     if generation_batch_size(args, dp_size) % generations:
         raise ValueError(

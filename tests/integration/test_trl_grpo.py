@@ -125,11 +125,13 @@ def test_grpo_under_dp2_x_cp2_equals_data_parallel(tmp_path, tiny):
     # whole group of 2 completions)
     ({"per_device_train_batch_size": 1}, r"the generation batch, per_device_train_batch_size 1 x DP 1 x "
                                          r"steps_per_generation 1, is not a multiple of --num_generations 2"),
-], ids=["vllm", "continuous-batching", "generation-batch"])
+    ({"is_fsdp_enabled": True}, r"with FSDP \(--fsdp\) under context parallelism \(CP 2\).*Fix: drop --fsdp"),
+], ids=["vllm", "continuous-batching", "generation-batch", "fsdp"])
 def test_a_grpo_setting_cp_does_not_run_as_data_parallel_is_refused_naming_the_fix(tmp_path, tiny, setting,
                                                                                    refusal):
-    """vLLM's and continuous batching's generation exchange prompts and completions over all processes, and a
-    generation batch of one data-parallel rank's prompts must hold whole groups: refused at start, naming the fix."""
+    """vLLM's and continuous batching's generation exchange prompts and completions over all processes, FSDP's
+    forwards gather the parameters from every rank (one rank of each CP group generates alone), and a generation batch
+    of one data-parallel rank's prompts must hold whole groups: refused at start, naming the fix."""
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_sparse_cp.trainer.generated_rows import check_generating_trainer
@@ -139,6 +141,6 @@ def test_a_grpo_setting_cp_does_not_run_as_data_parallel_is_refused_naming_the_f
                           train_dataset=datasets.Dataset.from_dict(_prompts(2)))
     check_generating_trainer(trainer, 2, 1)  # (its settings run under CP)
     for name, value in setting.items():  # (set after the Trainer's start: vLLM is not installed here)
-        setattr(args, name, value)
+        setattr(trainer if name == "is_fsdp_enabled" else args, name, value)
     with pytest.raises(ValueError, match=refusal):
         check_generating_trainer(trainer, 2, 1)
