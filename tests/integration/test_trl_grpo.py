@@ -88,20 +88,21 @@ def tiny(tmp_path_factory) -> str:
     return path
 
 
-@pytest.mark.parametrize("grpo", [
-    {"beta": 0.1},  # GRPO's default loss (dapo), a KL to the reference model
-    {"loss_type": "grpo", "num_iterations": 2, "beta": 0.0},  # old log-probs: clipped ratios
-    {"loss_type": "dr_grpo", "scale_rewards": "batch", "steps_per_generation": 2, "gradient_accumulation_steps": 2},
-], ids=["dapo-kl", "grpo-iterations", "dr_grpo-accumulated"])
-def test_grpo_under_cp2_equals_one_process(tmp_path, tiny, grpo):
-    """Losses, rewards, KL, clip ratios, entropy and the weights after three steps under CP 2 (ring, striped), and an
-    evaluation's loss and rewards after them, are one process's."""
+@pytest.mark.parametrize(("cp", "grpo"), [
+    ({}, {"beta": 0.1}),  # GRPO's default loss (dapo), a KL to the reference model
+    ({"cp_sharding": "zigzag"}, {"loss_type": "grpo", "num_iterations": 2, "beta": 0.0}),  # old log-probs: clipped
+    ({"cp_mode": "ulysses"},
+     {"loss_type": "dr_grpo", "scale_rewards": "batch", "steps_per_generation": 2, "gradient_accumulation_steps": 2}),
+], ids=["ring-striped-dapo-kl", "ring-zigzag-grpo-iterations", "ulysses-dr_grpo-accumulated"])
+def test_grpo_under_cp2_equals_one_process(tmp_path, tiny, cp, grpo):
+    """Losses, rewards, KL, clip ratios, entropy and the weights after three steps under CP 2, and an evaluation's
+    loss and rewards after them, are one process's."""
     one = run_gloo(_train, 1, tiny, str(tmp_path / "one"), {}, grpo, timeout_s=400)[0]
     # (it trained, on completions whose rewards differ within a group: advantages that are not all 0)
     # (a step that reuses its generation, num_iterations 2, logs no rewards)
     assert all(log["grad_norm"] > 0 and log.get("reward_std", 1) > 0 for log in one["logs"]), one["logs"]
     assert any(kept is not None and 0 < kept < 1 for kept in one["kept"]), one["kept"]  # the sparse path ran
-    for rank in run_gloo(_train, 2, tiny, str(tmp_path / "cp2"), {"cp_size": 2}, grpo, timeout_s=400):
+    for rank in run_gloo(_train, 2, tiny, str(tmp_path / "cp2"), {"cp_size": 2, **cp}, grpo, timeout_s=400):
         _assert_equal(rank, one)
 
 
