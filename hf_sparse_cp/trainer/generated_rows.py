@@ -163,10 +163,6 @@ def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDi
     patches.set_attr(trainer.args, "generation_batch_size", generation_batch_size(trainer.args, layout.dp_size))
     view = DataParallelView(trainer.accelerator, layout, dp_groups(layout))
     preparing = [False]
-
-    def seen_data_parallel():
-        return seen_as(trainer, view)
-
     prepare_inputs, compute_loss = trainer._prepare_inputs, trainer._compute_loss
 
     def prepare_on_first_rank(generation_batch: dict[str, Any]) -> dict[str, Any]:
@@ -175,7 +171,7 @@ def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDi
         if layout.cp_rank == 0:
             preparing[0] = True
             try:
-                with seen_data_parallel():
+                with seen_as(trainer, view):
                     inputs = prepare_inputs(generation_batch)
             finally:
                 preparing[0] = False
@@ -191,7 +187,7 @@ def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDi
         return _to(inputs, trainer.accelerator.device)
 
     def loss_seen_data_parallel(model, inputs):
-        with seen_data_parallel():
+        with seen_as(trainer, view):
             return compute_loss(model, inputs)
 
     patches.set_attr(trainer, "_prepare_inputs", prepare_on_first_rank)
