@@ -173,6 +173,21 @@ def settings_during_a_call() -> Iterator:
             yield
 
 
+def grpo_seen_data_parallel() -> Iterator:
+    """What GRPO's own code reads under CP during one call (`generated_rows.seen_as`): its accelerator and the
+    collectives its module imports, the data-parallel view's."""
+    import trl.trainer.grpo_trainer as grpo
+
+    from hf_sparse_cp.distributed import ParallelDims
+    from hf_sparse_cp.trainer.generated_rows import DataParallelView, seen_as
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(model=torch.nn.Linear(2, 2), args=_args(tmp))
+        yield [(trainer, "accelerator"), (grpo, "gather"), (grpo, "gather_object")]
+        with seen_as(trainer, DataParallelView(trainer.accelerator, ParallelDims.single(), None)):
+            yield
+
+
 def adapter_regularizer() -> Iterator:
     """AdaLoRA's regularizer weight during one compute_loss under CP: the rank's share of it (`adapter_loss.py`)."""
     peft = pytest.importorskip("peft")
@@ -299,6 +314,8 @@ ONE_PROCESS = {
     ("transformers.TrainingArguments.use_liger_kernel",): liger_kernel_flag,
     ("transformers.TrainingArguments.average_tokens_across_devices",
      "transformers.Trainer.current_gradient_accumulation_steps"): settings_during_a_call,
+    ("transformers.Trainer.accelerator", "trl.trainer.grpo_trainer.gather", "trl.trainer.grpo_trainer.gather_object"):
+        grpo_seen_data_parallel,
     ("peft.AdaLoraConfig.orth_reg_weight",): adapter_regularizer,
     ("hf_sparse_cp.attention.sequence.sequence_layout", "os.environ.HF_SPARSE_CP_DENSE_BACKEND"):
         capturing_layouts,
@@ -387,6 +404,31 @@ def cpu_fsdp2() -> Iterator:
         disable_cpu_fsdp2(trainer)
 
 
+def grpo_under_cp() -> Iterator:
+    """TRL's GRPOTrainer under CP 2: its step's inputs shared by each CP group's first rank, its loss in the
+    data-parallel view, its generation batch sized by the DP degree."""
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_sparse_cp import ContextParallelConfig, disable_trainer_context_parallel, enable_trainer_context_parallel
+    from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+
+    hf_sparse_cp.patch()
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = byte_tokenizer()
+        model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
+        hf_sparse_cp.configure(model)
+        args = GRPOConfig(output_dir=tmp, report_to="none", save_strategy="no", use_cpu=True,
+                          per_device_train_batch_size=2, num_generations=2)
+        trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer,
+                              reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+                              train_dataset=datasets.Dataset.from_dict({"prompt": ["sparse ring"] * 4}))
+        yield [(trainer, "_prepare_inputs"), (trainer, "_compute_loss"), (args, "generation_batch_size")]
+        enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=2))
+        yield
+        disable_trainer_context_parallel(trainer)
+
+
 def trl_packing_under_accelerates_cp() -> Iterator:
     """TRL's SFTTrainer built with packing under accelerate's CP group; its arguments hide packing while an
     accelerator is built inside the window the Trainer's `__init__` holds open, which the scenario opens."""
@@ -425,6 +467,8 @@ TWO_PROCESSES = {
     ("transformers.Trainer.is_fsdp_enabled", "accelerate.PartialState.distributed_type",
      "accelerate.state.AcceleratorState.distributed_type", "accelerate.state.AcceleratorState.fsdp_plugin"):
         cpu_fsdp2,
+    ("trl.GRPOTrainer._prepare_inputs", "trl.GRPOTrainer._compute_loss", "trl.GRPOConfig.generation_batch_size"):
+        grpo_under_cp,
     ("trl.SFTConfig.packing", "trl.SFTConfig.eval_packing"): trl_packing_under_accelerates_cp,  # (last: see above)
 }
 

@@ -65,6 +65,7 @@ from ..integration.patching import record_on, temporarily, undo_recorded
 from ..integration.planner_weights import planned_linear_weight
 from .adapter_loss import regularizer_share
 from .arguments import flag_errors
+from .generated_rows import check_generating_trainer, share_generation_batches
 from .router_loss import loss_share, model_loss_share, router_loss_over_cp_group
 from .token_ids import CheckedCollate, vocabulary_of
 from .whole_rows import check_whole_row_trainer, hook_whole_row_forwards, whole_sequence_outputs
@@ -228,13 +229,13 @@ def check_training_arguments(args, cp_size: int, env: Mapping[str, str] | None =
 
 
 def check_loss(trainer: Trainer, cp_size: int) -> None:
-    """Raise ValueError, naming the fix, when the Trainer computes a loss of its own (TRL's GRPO, RLOO
+    """Raise ValueError, naming the fix, when the Trainer computes a loss of its own (TRL's RLOO and distillation
     trainers; a script's `compute_loss` or `compute_loss_func`): under CP each rank's forward
     covers only its shard of every sequence, so a loss built from the outputs (per-sequence log-prob sums, a last
     token's score, generations, labels shifted within a shard) is the shard's, not the sequence's; such a run
-    crashed mid-step or trained on wrong values. TRL's DPOTrainer, KTOTrainer and RewardTrainer, whose forwards'
-    outputs are gathered into whole rows (`whole_rows.py`), pass, unless a setting of it cannot
-    (`check_whole_row_trainer`)."""
+    crashed mid-step or trained on wrong values. TRL's DPOTrainer, KTOTrainer, RewardTrainer and GRPOTrainer, whose
+    forwards' outputs are gathered into whole rows (`whole_rows.py`; GRPO's generated rows: `generated_rows.py`),
+    pass, unless a setting of it cannot (`check_whole_row_trainer`, `check_generating_trainer`)."""
     method = type(trainer).compute_loss
     # (the Trainer's own loss hands the logits and the rank's labels to it instead of the model's loss; label
     # smoothing's, the other such loss, is made the CP group's by `smooth_labels_over_cp_group`, for the Trainer's
@@ -267,6 +268,8 @@ def check_loss(trainer: Trainer, cp_size: int) -> None:
         _check_head(trainer.model, cp_size, whole_rows=True, own_loss=False,
                     scores_rows=method in compat.cp_row_score_losses())
         check_whole_row_trainer(trainer, cp_size)
+        if method in compat.cp_generated_row_losses():
+            check_generating_trainer(trainer, cp_size, trainer.accelerator.num_processes // cp_size)
         return
     else:
         raise ValueError(own_loss_refusal(type(trainer), cp_size))
@@ -275,7 +278,7 @@ def check_loss(trainer: Trainer, cp_size: int) -> None:
 
 def own_loss_refusal(trainer_class: type[Trainer], cp_size: int) -> str | None:
     """`check_loss`'s refusal of every Trainer of `trainer_class` under CP `cp_size`: its compute_loss is none that
-    CP reproduces (TRL's GRPO, RLOO, distillation trainers); None when it is one of them (a Trainer of it may still
+    CP reproduces (TRL's RLOO, distillation trainers); None when it is one of them (a Trainer of it may still
     be refused for its settings or model). The launcher asks it of the TRL trainer a script builds
     (`launch.known_scripts`), before any process starts and builds the script's data."""
     method = trainer_class.compute_loss
@@ -579,7 +582,11 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     predicting = [False]
     shard: list[CPShard | None] = [None]  # the step's batch's (None: the batch ran unsharded)
     whole_rows = type(trainer).compute_loss in compat.cp_whole_row_losses()
-    hook_forwards = hook_whole_row_forwards(trainer, patches, parallel, prepare, lambda: in_step[0])
+    # (GRPO's rows are generated in the step, unsharded on each CP group's first rank: those forwards are not CP's)
+    preparing = (share_generation_batches(trainer, patches, parallel)
+                 if type(trainer).compute_loss in compat.cp_generated_row_losses() else lambda: False)
+    hook_forwards = hook_whole_row_forwards(trainer, patches, parallel, prepare,
+                                            lambda: in_step[0] and not preparing())
     # (a sequence-classification or question-answering head's outputs and loss are the batch's on every rank: how
     # many outputs of a prediction step are its)
     batch_outputs = BATCH_OUTPUT_HEADS.get(model_head(trainer.model), 0)

@@ -1,0 +1,201 @@
+"""Context parallelism for TRL's GRPOTrainer, whose rows are generated in the training step: it completes each prompt
+`num_generations` times, scores the completions, normalizes the rewards over each prompt's group (its groups may span
+processes: it gathers the rewards over all of them and takes its own slice by `process_index`), and builds its loss
+from per-token log-probabilities of the whole rows.
+
+Under CP, GRPO sees the data-parallel view (`DataParallelView`): while its own code runs, its accelerator's
+`num_processes`, `process_index` and collectives (`gather`, `reduce`, `pad_across_processes`, the `gather` and
+`gather_object` its module imports from accelerate) are the data-parallel ones, over the ranks that hold the same
+place in their CP groups, so its groups, slices, normalizations and metrics are those of a data-parallel run without
+CP. The generation batch (`_prepare_inputs`: sampling, rewards, advantages, the reference model's and the old policy's
+log-probabilities) is computed unsharded on each CP group's first rank alone and broadcast to the group, which then
+holds the same prompts and completions (the others' random streams play no part). Only the loss's forward is a CP
+forward, through the whole-row hooks (`whole_rows.py`): its inputs sharded, its per-token log-probabilities and
+entropies gathered back into the whole rows, so every rank of the group computes one process's loss and metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import ParallelDims
+from ..integration.patching import temporarily
+
+# GRPOTrainer's module: the accelerate collectives it imports by name.
+GRPO_MODULE = "trl.trainer.grpo_trainer"
+
+
+def check_generating_trainer(trainer, cp_size: int, dp_size: int) -> None:
+    """Raise ValueError, naming the setting and the fix, for a GRPO setting that CP does not run as a data-parallel
+    run does: generation by vLLM or transformers' continuous batching (their own process layouts and collectives
+    over all processes), FSDP (its forwards gather the parameters from every rank, where one rank of each CP group
+    generates alone), and batch sizes that the data-parallel degree does not fit."""
+    args, cp = trainer.args, cp_size
+    fix = ("or run without CP (drop --cp_size): sparse attention alone trains it, on one process or with data "
+           "parallelism")
+    for flag in ("use_vllm", "use_transformers_continuous_batching"):
+        if getattr(args, flag, False):
+            raise ValueError(
+                f"{type(trainer).__name__} with --{flag} under context parallelism (CP {cp}) is not supported: its "
+                "generation exchanges prompts and completions over all processes, where each CP group must hold one "
+                f"data-parallel rank's. Fix: drop --{flag} (each CP group's first rank then generates with the "
+                f"model's generate and shares the completions with its group), {fix}.")
+    if getattr(trainer, "is_fsdp_enabled", False):
+        raise ValueError(
+            f"{type(trainer).__name__} with FSDP (--fsdp) under context parallelism (CP {cp}) is not supported: each "
+            "CP group's first rank generates the step's completions alone, and a forward of sharded parameters "
+            "gathers them from every rank. Fix: drop --fsdp (DDP keeps whole parameters on each rank), "
+            f"{fix}.")
+    generations = trainer.num_generations
+    if generation_batch_size(args, dp_size) % generations:
+        raise ValueError(
+            f"{type(trainer).__name__} under context parallelism (CP {cp}, DP {dp_size}): the generation "
+            f"batch, per_device_train_batch_size {args.per_device_train_batch_size} x DP {dp_size} x "
+            f"steps_per_generation {args.steps_per_generation}, is not a multiple of --num_generations "
+            f"{generations} (a CP group holds one data-parallel rank's prompts). Fix: a batch size or "
+            f"--steps_per_generation that it divides, {fix}.")
+    eval_generations = getattr(trainer, "num_generations_eval", None) or generations
+    if (args.per_device_eval_batch_size * dp_size) % eval_generations:
+        raise ValueError(
+            f"{type(trainer).__name__} under context parallelism (CP {cp}, DP {dp_size}): the evaluation "
+            f"batch, per_device_eval_batch_size {args.per_device_eval_batch_size} x DP {dp_size}, is not a "
+            f"multiple of the evaluation's num_generations {eval_generations}. Fix: an evaluation batch size that it "
+            f"divides, {fix}.")
+
+
+def generation_batch_size(args, dp_size: int) -> int:
+    """GRPO's prompts per generation over all data-parallel ranks: its config counts every process (CP ranks
+    included); a CP group holds one data-parallel rank's."""
+    return args.per_device_train_batch_size * dp_size * args.steps_per_generation
+
+
+class DataParallelView:
+    """The accelerator `accelerator` as a data-parallel run without CP shows it to this rank: `num_processes` the DP
+    degree, `process_index` the DP rank, and collectives over `group`, the ranks that hold this rank's place in
+    their CP groups (None: DP 1, nothing to exchange). Every other member is the accelerator's."""
+
+    def __init__(self, accelerator, parallel: ParallelDims, group) -> None:
+        self._accelerator, self._group = accelerator, group
+        self.num_processes, self.process_index = parallel.dp_size, parallel.dp_rank
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._accelerator, name)
+
+    def gather(self, tensor: Any) -> Any:
+        """Each DP rank's `tensor` concatenated along the first dimension, in DP order (a scalar: one value each)."""
+        from accelerate.utils import recursively_apply
+
+        return recursively_apply(self._gather, tensor)
+
+    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
+        if self._group is None:
+            return tensor.clone()
+        parts = [torch.empty_like(tensor) for _ in range(self.num_processes)]
+        dist.all_gather(parts, tensor.contiguous(), group=self._group)
+        return torch.cat(parts)
+
+    def gather_for_metrics(self, tensor: Any, use_gather_object: bool = False) -> Any:
+        return self.gather_object(tensor) if use_gather_object else self.gather(tensor)
+
+    def gather_object(self, obj: Any) -> list:
+        """Each DP rank's list `obj`, concatenated in DP order (accelerate's gather_object)."""
+        if self._group is None:
+            return list(obj)
+        parts: list[Any] = [None] * self.num_processes
+        dist.all_gather_object(parts, obj, group=self._group)
+        return [item for part in parts for item in part]
+
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum", scale: float = 1.0) -> torch.Tensor:
+        total = tensor.clone()
+        if self._group is not None:
+            dist.all_reduce(total, group=self._group)
+        return total * scale / (self.num_processes if reduction == "mean" else 1)
+
+    def pad_across_processes(self, tensor: torch.Tensor, dim: int = 0, pad_index: int = 0,
+                             pad_first: bool = False) -> torch.Tensor:
+        """`tensor` padded with `pad_index` along `dim` to the longest of the DP ranks'."""
+        size = self._gather(torch.tensor([tensor.shape[dim]], device=tensor.device)).max().item()
+        if size == tensor.shape[dim]:
+            return tensor
+        shape = list(tensor.shape)
+        shape[dim] = size - tensor.shape[dim]
+        pad = tensor.new_full(shape, pad_index)
+        return torch.cat([pad, tensor] if pad_first else [tensor, pad], dim=dim)
+
+
+@contextlib.contextmanager
+def seen_as(trainer, view: DataParallelView) -> Iterator[None]:
+    """GRPO's accelerator and the collectives its module imports from accelerate are `view`'s inside the block."""
+    module = sys.modules[GRPO_MODULE]
+    with (temporarily(trainer, "accelerator", view), temporarily(module, "gather", view.gather),
+          temporarily(module, "gather_object", view.gather_object)):
+        yield
+
+
+def dp_groups(parallel: ParallelDims):
+    """This rank's data-parallel group: the ranks at its place in every CP group (None at DP 1). Every rank builds
+    every group, as `torch.distributed.new_group` requires."""
+    if parallel.dp_size == 1:
+        return None
+    groups = [dist.new_group([members[place] for members in parallel.cp_groups]) for place in range(parallel.cp_size)]
+    return groups[parallel.cp_rank]
+
+
+def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDims]) -> Callable[[], bool]:
+    """Make TRL's GRPOTrainer `trainer` run under CP as a data-parallel run: its own code in the data-parallel view
+    (`DataParallelView`), its `_prepare_inputs` (generation, rewards, advantages, reference and old log-probabilities)
+    run on each CP group's first rank and its result broadcast to the group, and its generation batch sized by the DP
+    degree. Returns a function saying whether `_prepare_inputs` runs (its forwards are then not CP forwards: they
+    take whole rows on one rank). `patches` undoes it."""
+    from accelerate.utils import set_seed
+
+    layout = parallel()
+    # (GRPO seeds each process by its index, `set_seed(seed, device_specific=True)`, that the processes draw different
+    # completions: seen data-parallel, by its DP rank, as a data-parallel run's process of that rank draws them)
+    set_seed(trainer.args.seed + layout.dp_rank)
+    patches.set_attr(trainer.args, "generation_batch_size", generation_batch_size(trainer.args, layout.dp_size))
+    view = DataParallelView(trainer.accelerator, layout, dp_groups(layout))
+    preparing = [False]
+    prepare_inputs, compute_loss = trainer._prepare_inputs, trainer._compute_loss
+
+    def prepare_on_first_rank(generation_batch: dict[str, Any]) -> dict[str, Any]:
+        shared: list[Any] = [None]
+        metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+        if layout.cp_rank == 0:
+            preparing[0] = True
+            try:
+                with seen_as(trainer, view):
+                    inputs = prepare_inputs(generation_batch)
+            finally:
+                preparing[0] = False
+            # (with the metrics it logs and the tokens it counted: every rank's log and state are one process's; the
+            # others' metrics, their losses', are the same)
+            shared[0] = (_to(inputs, torch.device("cpu")), trainer.state.num_input_tokens_seen, dict(metrics))
+        # (pickled: exact, whatever the dtypes; its tensors are the step's ids, masks and per-token log-probs)
+        dist.broadcast_object_list(shared, src=layout.cp_ranks[0], group=layout.cp_group)
+        inputs, trainer.state.num_input_tokens_seen, logged = shared[0]
+        if layout.cp_rank != 0:
+            metrics.clear()
+            metrics.update(logged)
+        return _to(inputs, trainer.accelerator.device)
+
+    def loss_seen_data_parallel(model, inputs):
+        with seen_as(trainer, view):
+            return compute_loss(model, inputs)
+
+    patches.set_attr(trainer, "_prepare_inputs", prepare_on_first_rank)
+    patches.set_attr(trainer, "_compute_loss", loss_seen_data_parallel)
+    return lambda: preparing[0]
+
+
+def _to(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    from accelerate.utils import send_to_device
+
+    return send_to_device(inputs, device)

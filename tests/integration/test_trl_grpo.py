@@ -1,0 +1,147 @@
+"""TRL's GRPOTrainer under context parallelism: each CP group's first rank generates and scores the step's rows
+(GRPO's own code seen data-parallel: its reward groups, slices and gathers over the data-parallel ranks) and shares
+them with its group; the loss's forwards take each rank's shard of every row and gather the per-token
+log-probabilities back into whole rows. The logged loss, rewards, KL, clip ratios and the weights after the steps
+are one process's."""
+
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+from hf_sparse_cp.testing.spawn import run_gloo
+from hf_sparse_cp.testing.tiny_models import tiny_config
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+# (SGD: the update is the gradient's; 3 steps of 4 rows each: 2 prompts x 2 completions)
+GRPO = dict(max_steps=3, per_device_train_batch_size=4, num_generations=2, max_completion_length=12, optim="sgd",
+            learning_rate=0.5, logging_steps=1, report_to="none", save_strategy="no", bf16=False, seed=0,
+            data_seed=0, gradient_checkpointing=False, temperature=1.0)
+# a pattern sparse at these lengths: rows of 64 tokens or more get vertical-slash attention
+PATTERN = dict(sparse_block_size=32, sparse_min_seq_len=64, sparse_vertical_topk=8, sparse_slash_topk=8,
+               sparse_local_window=32, sparse_sink_tokens=4, sparse_last_q=16)
+LOGGED = ("loss", "grad_norm", "reward", "reward_std", "rewards/distinct/mean", "frac_reward_zero_std", "kl", "entropy",
+          "completions/mean_length", "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max",
+          "num_tokens")
+
+
+def distinct(completions, **kwargs) -> list[float]:
+    """A reward that differs between completions: their share of distinct characters."""
+    return [len(set(text)) / max(len(text), 1) for text in completions]
+
+
+def _prompts(n: int = 12, seed: int = 0) -> dict[str, list[str]]:
+    """Prompts of 70 to 200 bytes: rows of about 80 to 210 tokens with their completions."""
+    g = torch.Generator().manual_seed(seed)
+    words = ["sparse", "attention", "ring", "packed", "document", "token", "block", "query", "key", "value"]
+    return {"prompt": [" ".join(words[i] for i in torch.randint(0, len(words), (k,), generator=g).tolist())
+                       for k in torch.randint(10, 30, (n,), generator=g).tolist()]}
+
+
+def _train(rank: int, world: int, model: str, output_dir: str, cp: dict, grpo: dict) -> dict:
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_sparse_cp import sparse_arguments_class, sparse_trainer_class
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="1")
+    torch.manual_seed(0)
+    tokenizer = byte_tokenizer()
+    args = sparse_arguments_class(GRPOConfig)(output_dir=output_dir, **{**GRPO, **grpo}, **PATTERN, **cp)
+    trainer = sparse_trainer_class(GRPOTrainer)(model=model, args=args, reward_funcs=distinct,
+                                                train_dataset=datasets.Dataset.from_dict(_prompts()),
+                                                eval_dataset=datasets.Dataset.from_dict(_prompts(4, seed=1)),
+                                                processing_class=tokenizer)
+    trainer.train()
+    evaluation = trainer.evaluate()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    return {"logs": [{key: log[key] for key in LOGGED if key in log} for log in logs],
+            "eval": {key: value for key, value in evaluation.items() if key.removeprefix("eval_") in LOGGED},
+            "kept": [log.get("sparse/kept_fraction") for log in logs],
+            "weights": {name: p.detach().clone() for name, p in trainer.model.named_parameters()}}
+
+
+def _assert_equal(run: dict, one: dict) -> None:
+    assert len(run["logs"]) == len(one["logs"]) == GRPO["max_steps"]
+    for got, want in zip(run["logs"], one["logs"], strict=True):
+        assert got.keys() == want.keys()
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (key, got[key], want[key])
+    assert run["eval"].keys() == one["eval"].keys() and "eval_reward" in one["eval"]
+    for key, want in one["eval"].items():
+        assert run["eval"][key] == pytest.approx(want, rel=1e-5, abs=1e-6), (key, run["eval"][key], want)
+    for name, want in one["weights"].items():
+        assert torch.allclose(run["weights"][name], want, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    """A tiny Llama's folder (GRPO loads its reference model from the policy's path)."""
+    path = str(tmp_path_factory.mktemp("tiny"))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(byte_tokenizer()), hidden_size=64,
+                                                 intermediate_size=128, head_dim=16)).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(("cp", "grpo"), [
+    ({}, {"beta": 0.1}),  # GRPO's default loss (dapo), a KL to the reference model
+    ({"cp_sharding": "zigzag"}, {"loss_type": "grpo", "num_iterations": 2, "beta": 0.0}),  # old log-probs: clipped
+    ({"cp_mode": "ulysses"},
+     {"loss_type": "dr_grpo", "scale_rewards": "batch", "steps_per_generation": 2, "gradient_accumulation_steps": 2}),
+], ids=["ring-striped-dapo-kl", "ring-zigzag-grpo-iterations", "ulysses-dr_grpo-accumulated"])
+def test_grpo_under_cp2_equals_one_process(tmp_path, tiny, cp, grpo):
+    """Losses, rewards, KL, clip ratios, entropy and the weights after three steps under CP 2, and an evaluation's
+    loss and rewards after them, are one process's."""
+    one = run_gloo(_train, 1, tiny, str(tmp_path / "one"), {}, grpo, timeout_s=400)[0]
+    # (it trained, on completions whose rewards differ within a group: advantages that are not all 0)
+    # (a step that reuses its generation, num_iterations 2, logs no rewards)
+    assert all(log["grad_norm"] > 0 and log.get("reward_std", 1) > 0 for log in one["logs"]), one["logs"]
+    assert any(kept is not None and 0 < kept < 1 for kept in one["kept"]), one["kept"]  # the sparse path ran
+    for rank in run_gloo(_train, 2, tiny, str(tmp_path / "cp2"), {"cp_size": 2, **cp}, grpo, timeout_s=400):
+        _assert_equal(rank, one)
+
+
+def test_grpo_under_dp2_x_cp2_equals_data_parallel(tmp_path, tiny):
+    """DP 2 x CP 2 (4 processes) trains as DP 2 without CP: GRPO's reward groups, its slices by process index and
+    its gathers run over the data-parallel ranks (its groups of 2 completions span them: one prompt per rank and
+    step), and each rank draws the completions of the DP run's process of its DP rank."""
+    grpo = {"per_device_train_batch_size": 1, "beta": 0.1}
+    dp = run_gloo(_train, 2, tiny, str(tmp_path / "dp2"), {}, grpo, timeout_s=400)
+    assert all(log["grad_norm"] > 0 for log in dp[0]["logs"]), dp[0]["logs"]
+    for rank, run in enumerate(run_gloo(_train, 4, tiny, str(tmp_path / "dp2cp2"), {"cp_size": 2}, grpo,
+                                        timeout_s=400)):
+        _assert_equal(run, dp[rank // 2])
+
+
+@pytest.mark.parametrize(("setting", "refusal"), [
+    ({"use_vllm": True}, r"with --use_vllm under context parallelism \(CP 2\) is not supported.*Fix: drop --use_vllm"),
+    ({"use_transformers_continuous_batching": True},
+     r"with --use_transformers_continuous_batching .*Fix: drop --use_transformers_continuous_batching"),
+    # (as on 2 processes under CP 2: GRPO's config counts 1 prompt per process, 2 in all, a CP group holds 1: no
+    # whole group of 2 completions)
+    ({"per_device_train_batch_size": 1}, r"the generation batch, per_device_train_batch_size 1 x DP 1 x "
+                                         r"steps_per_generation 1, is not a multiple of --num_generations 2"),
+    ({"is_fsdp_enabled": True}, r"with FSDP \(--fsdp\) under context parallelism \(CP 2\).*Fix: drop --fsdp"),
+], ids=["vllm", "continuous-batching", "generation-batch", "fsdp"])
+def test_a_grpo_setting_cp_does_not_run_as_data_parallel_is_refused_naming_the_fix(tmp_path, tiny, setting,
+                                                                                   refusal):
+    """vLLM's and continuous batching's generation exchange prompts and completions over all processes, FSDP's
+    forwards gather the parameters from every rank (one rank of each CP group generates alone), and a generation batch
+    of one data-parallel rank's prompts must hold whole groups: refused at start, naming the fix."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_sparse_cp.trainer.generated_rows import check_generating_trainer
+
+    args = GRPOConfig(output_dir=str(tmp_path), **GRPO, use_cpu=True)
+    trainer = GRPOTrainer(model=tiny, args=args, reward_funcs=distinct, processing_class=byte_tokenizer(),
+                          train_dataset=datasets.Dataset.from_dict(_prompts(2)))
+    check_generating_trainer(trainer, 2, 1)  # (its settings run under CP)
+    for name, value in setting.items():  # (set after the Trainer's start: vLLM is not installed here)
+        setattr(trainer if name == "is_fsdp_enabled" else args, name, value)
+    with pytest.raises(ValueError, match=refusal):
+        check_generating_trainer(trainer, 2, 1)
