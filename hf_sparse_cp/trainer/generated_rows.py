@@ -69,6 +69,23 @@ def check_generating_trainer(trainer, cp_size: int, dp_size: int) -> None:
             f"divides, {fix}.")
 
 
+@contextlib.contextmanager
+def generation_batch_counted_by_trl(args) -> Iterator[None]:
+    """Inside, a given `--generation_batch_size` of `args` (a GRPO config's) is counted over every process, CP ranks
+    included, as GRPOConfig's `__post_init__` counts it (deriving `steps_per_generation` from it: under CP 2 a batch
+    of 8 prompts at 4 per device was 1 step of 4 prompts, on one process 2 steps of 4); restored after. The given batch
+    is one data-parallel run's, which a CP group holds one rank's share of (`generation_batch_size`)."""
+    given, cp = getattr(args, "generation_batch_size", None), getattr(args, "cp_size", 1)
+    if given is None or cp == 1:
+        yield
+        return
+    args.generation_batch_size = given * cp
+    try:
+        yield
+    finally:
+        args.generation_batch_size = given
+
+
 def generation_batch_size(args, dp_size: int) -> int:
     """GRPO's prompts per generation over all data-parallel ranks: its config counts every process (CP ranks
     included); a CP group holds one data-parallel rank's."""
@@ -173,6 +190,12 @@ def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDi
             try:
                 with seen_as(trainer, view):
                     inputs = prepare_inputs(generation_batch)
+            except Exception as error:
+                # (the group's other ranks wait in the broadcast: they raise too, naming the cause, rather than
+                # waiting there until the process group's timeout)
+                shared[0] = f"{type(error).__name__}: {error}"
+                dist.broadcast_object_list(shared, src=layout.cp_ranks[0], group=layout.cp_group)
+                raise
             finally:
                 preparing[0] = False
             # (with the metrics it logs and the tokens it counted: every rank's log and state are one process's; the
@@ -180,6 +203,9 @@ def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDi
             shared[0] = (_to(inputs, torch.device("cpu")), trainer.state.num_input_tokens_seen, dict(metrics))
         # (pickled: exact, whatever the dtypes; its tensors are the step's ids, masks and per-token log-probs)
         dist.broadcast_object_list(shared, src=layout.cp_ranks[0], group=layout.cp_group)
+        if isinstance(shared[0], str):
+            raise RuntimeError(f"{type(trainer).__name__}: rank {layout.cp_ranks[0]}, which generates and scores the "
+                               f"rows of its CP group, failed ({shared[0]}): see its traceback.")
         inputs, trainer.state.num_input_tokens_seen, logged = shared[0]
         if layout.cp_rank != 0:
             metrics.clear()

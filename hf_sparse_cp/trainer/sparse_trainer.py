@@ -53,6 +53,7 @@ from .callbacks import StepMetricsCallback
 from .context_parallel import check_training_arguments
 from .cpu_fsdp import check_cpu_fsdp_version, disable_cpu_fsdp2, enable_cpu_fsdp2
 from .curriculum import card_stages, check_schedule_flags
+from .generated_rows import generation_batch_counted_by_trl
 from .plugin_arguments import (
     LENGTH_FIELD,
     RENAMED_FIELDS,
@@ -131,7 +132,8 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
         with flag_errors():
             check_trainer_numbers(self)
             self._check_plugin_fields()
-        super().__post_init__()
+        with generation_batch_counted_by_trl(self):
+            super().__post_init__()
         with flag_errors():
             if not _has_accelerator():
                 check_cpu_fsdp_version(self)

@@ -42,7 +42,12 @@ def _prompts(n: int = 12, seed: int = 0) -> dict[str, list[str]]:
                        for k in torch.randint(10, 30, (n,), generator=g).tolist()]}
 
 
-def _train(rank: int, world: int, model: str, output_dir: str, cp: dict, grpo: dict) -> dict:
+def unreachable(completions, **kwargs) -> list[float]:
+    """A reward whose server is down."""
+    raise ConnectionError("the reward server is down")
+
+
+def _train(rank: int, world: int, model: str, output_dir: str, cp: dict, grpo: dict, reward=distinct) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_sparse_cp import sparse_arguments_class, sparse_trainer_class
@@ -52,7 +57,7 @@ def _train(rank: int, world: int, model: str, output_dir: str, cp: dict, grpo: d
     torch.manual_seed(0)
     tokenizer = byte_tokenizer()
     args = sparse_arguments_class(GRPOConfig)(output_dir=output_dir, **{**GRPO, **grpo}, **PATTERN, **cp)
-    trainer = sparse_trainer_class(GRPOTrainer)(model=model, args=args, reward_funcs=distinct,
+    trainer = sparse_trainer_class(GRPOTrainer)(model=model, args=args, reward_funcs=reward,
                                                 train_dataset=datasets.Dataset.from_dict(_prompts()),
                                                 eval_dataset=datasets.Dataset.from_dict(_prompts(4, seed=1)),
                                                 processing_class=tokenizer)
@@ -92,7 +97,8 @@ def tiny(tmp_path_factory) -> str:
     ({}, {"beta": 0.1}),  # GRPO's default loss (dapo), a KL to the reference model
     ({"cp_sharding": "zigzag"}, {"loss_type": "grpo", "num_iterations": 2, "beta": 0.0}),  # old log-probs: clipped
     ({"cp_mode": "ulysses"},
-     {"loss_type": "dr_grpo", "scale_rewards": "batch", "steps_per_generation": 2, "gradient_accumulation_steps": 2}),
+     # (a generation batch of 8 prompts at 4 per device: 2 steps a generation, as on one process)
+     {"loss_type": "dr_grpo", "scale_rewards": "batch", "generation_batch_size": 8, "gradient_accumulation_steps": 2}),
 ], ids=["ring-striped-dapo-kl", "ring-zigzag-grpo-iterations", "ulysses-dr_grpo-accumulated"])
 def test_grpo_under_cp2_equals_one_process(tmp_path, tiny, cp, grpo):
     """Losses, rewards, KL, clip ratios, entropy and the weights after three steps under CP 2, and an evaluation's
@@ -116,6 +122,23 @@ def test_grpo_under_dp2_x_cp2_equals_data_parallel(tmp_path, tiny):
     for rank, run in enumerate(run_gloo(_train, 4, tiny, str(tmp_path / "dp2cp2"), {"cp_size": 2}, grpo,
                                         timeout_s=400)):
         _assert_equal(run, dp[rank // 2])
+
+
+def _failing(rank: int, world: int, model: str, output_dir: str) -> str:
+    try:
+        _train(rank, world, model, output_dir, {"cp_size": 2}, {}, unreachable)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "trained"
+
+
+def test_a_failure_generating_the_rows_ends_every_rank_of_the_group_naming_it(tmp_path, tiny):
+    """The group's first rank generates and scores its rows alone: its failure (a reward function's) is raised there,
+    and by the others, which waited for its rows, naming it, rather than waiting until the process group's timeout."""
+    first, other = run_gloo(_failing, 2, tiny, str(tmp_path), timeout_s=300)
+    assert first == "ConnectionError: the reward server is down"
+    assert other.startswith("RuntimeError: SparseGRPOTrainer: rank 0, which generates and scores the rows of its CP "
+                            "group, failed (ConnectionError: the reward server is down)"), other
 
 
 @pytest.mark.parametrize(("setting", "refusal"), [
