@@ -292,10 +292,36 @@ GEMMA_CP_PATTERN = SparseAttentionConfig(min_seq_len=0, block_size=64, vertical_
                                          local_window=64, dense_first_layers=0)
 
 
-def _gemma_loss_under_cp(rank: int, world: int) -> dict:
-    """Gemma 3 270M's loss, gradients and kept fractions on 1,024 tokens, in one process and under CP `world`
-    (sparse ring): a forward and a backward each, the embeddings (tied to the output, 168M of its 268M weights)
-    frozen to keep two processes' memory small."""
+def _gemma_one_process(model) -> dict:
+    """Gemma 3 270M's loss, gradients and kept fractions on 1,024 tokens in one process (the reference of
+    `_gemma_loss_under_cp`): a forward and a backward with `GEMMA_CP_PATTERN`, on one thread as each rank, the
+    embeddings (tied to the output, 168M of its 268M weights) frozen as there; the model is left as it was."""
+    import torch.nn.functional as F
+
+    from hf_sparse_cp.integration.stats import pop_kept_fractions
+
+    embeddings = model.get_input_embeddings().weight
+    ids = pretrained.text_token_ids(pretrained.load_tokenizer("gemma3-270m"), 1024, start_char=200_000)
+    hf_sparse_cp.patch()
+    try:
+        embeddings.requires_grad_(False)
+        hf_sparse_cp.configure(model, GEMMA_CP_PATTERN)
+        pop_kept_fractions(model)  # (an earlier test's forward counts none here)
+        one = F.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:])
+        grads = torch.autograd.grad(one, [p for p in model.parameters() if p.requires_grad])
+        return {"one": float(one), "one_kept": pop_kept_fractions(model), "grads": list(grads)}
+    finally:
+        embeddings.requires_grad_(True)
+        model.set_attn_implementation("sdpa")
+        hf_sparse_cp.unpatch()
+
+
+def _gemma_loss_under_cp(rank: int, world: int, reference: str) -> dict:
+    """Gemma 3 270M's loss, gradients and kept fractions on 1,024 tokens under CP `world` (sparse ring): a forward
+    and a backward, the embeddings frozen as in `_gemma_one_process`, whose result (`torch.save`d at `reference`
+    by the test's process meanwhile: computed once, not on every rank) the gradients are compared with."""
+    import time
+
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -312,9 +338,6 @@ def _gemma_loss_under_cp(rank: int, world: int) -> dict:
     hf_sparse_cp.patch()
     hf_sparse_cp.configure(model, GEMMA_CP_PATTERN)
     check_model_supports_context_parallel(model)
-    one = F.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:])
-    one_grads = torch.autograd.grad(one, list(params.values()))
-    one_kept = pop_kept_fractions(model)
     inputs = prepare_context_parallel_inputs({"input_ids": ids, "labels": ids},
                                              ParallelDims.from_config(ContextParallelConfig(cp_size=world)),
                                              block_size=GEMMA_CP_PATTERN.block_size)
@@ -323,24 +346,42 @@ def _gemma_loss_under_cp(rank: int, world: int) -> dict:
     loss_sum = F.cross_entropy(model(**inputs).logits[0], targets[0], reduction="sum")
     num_items = global_num_items(targets)
     grads = torch.autograd.grad(rank_loss(loss_sum, num_items, 1), list(params.values()))
+    while not Path(reference).exists():
+        if Path(reference + ".failed").exists():  # (the test's process failed first: it raises its own error)
+            raise RuntimeError("the one-process reference failed")
+        time.sleep(0.5)
+    one = torch.load(reference, mmap=True)
     grad_errors = {}  # each weight's error relative to its one-process gradient, the ranks' gradients summed
-    for name, grad, want in zip(params, grads, one_grads):
+    for name, grad, want in zip(params, grads, one["grads"], strict=True):
         grad = grad.clone()
         dist.all_reduce(grad)
         grad_errors[name] = float((grad - want).norm() / want.norm())
     assert dist.get_world_size() == world
-    return {"one": float(one), "one_kept": one_kept, "kept": pop_kept_fractions(model), "grad_errors": grad_errors,
-            "cp": float(global_mean_loss(loss_sum, num_items))}
+    return {"one": one["one"], "one_kept": one["one_kept"], "kept": pop_kept_fractions(model),
+            "grad_errors": grad_errors, "cp": float(global_mean_loss(loss_sum, num_items))}
 
 
-def test_gemma_under_cp2_gives_one_process_loss_and_gradients_with_its_global_layers_sparse(gemma):
+def test_gemma_under_cp2_gives_one_process_loss_and_gradients_with_its_global_layers_sparse(gemma, tmp_path,
+                                                                                           single_thread):
     """Real weights under the sparse ring: CP 2 over 1,024 tokens of Gemma 3 270M (15 sliding-window layers across
     the shard boundary, 3 sparse global ones) gives one process's loss, kept fractions and, through a backward, the
     gradient of every trained weight, the sliding layers' and the global layers' (measured, fp32: the same loss and
     kept fractions, the 235 gradients within 1.2e-5 of one process's, relative; the global layers kept 27-41%)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from hf_sparse_cp.testing.spawn import run_gloo
 
-    for rank in run_gloo(_gemma_loss_under_cp, 2, timeout_s=1800):
+    reference = tmp_path / "one_process.pt"
+    with ThreadPoolExecutor(1) as pool:  # the ranks run while this process computes their reference
+        ranks = pool.submit(run_gloo, _gemma_loss_under_cp, 2, str(reference), timeout_s=1800)
+        try:
+            torch.save(_gemma_one_process(gemma[1]), tmp_path / "writing.pt")
+            (tmp_path / "writing.pt").rename(reference)  # (whole, as the ranks read it)
+        except BaseException:
+            Path(f"{reference}.failed").touch()  # (the ranks stop waiting for it)
+            raise
+        ranks = ranks.result()
+    for rank in ranks:
         assert rank["cp"] == pytest.approx(rank["one"], rel=1e-6) and rank["one"] < 4.0  # real weights
         assert rank["kept"] == pytest.approx(rank["one_kept"], abs=1e-12)
         assert max(rank["one_kept"][i] for i in global_layers(gemma[1])) < 0.6  # the global layers ran sparse
