@@ -34,11 +34,14 @@ _MISSING = object()
 
 def _value(owner, name: str):
     """What `owner` holds under `name` itself (not inherited): a mapping's item, an object's own attribute;
-    a list as a tuple, so that a later change to it shows."""
+    a list as a tuple, so that a later change to it shows; a dict as its identity and items (one replaced by an
+    equal one shows too)."""
     if name == "__class__":
         return type(owner)
     value = owner.get(name, _MISSING) if isinstance(owner, Mapping) else vars(owner).get(name, _MISSING)
-    return tuple(value) if isinstance(value, list) else tuple(value.items()) if isinstance(value, dict) else value
+    if isinstance(value, dict):
+        return id(value), *value.items()
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _same(a, b) -> bool:
@@ -406,7 +409,7 @@ def cpu_fsdp2() -> Iterator:
 
 def grpo_under_cp() -> Iterator:
     """TRL's GRPOTrainer under CP 2: its step's inputs shared by each CP group's first rank, its loss in the
-    data-parallel view, its generation batch sized by the DP degree."""
+    data-parallel view, its generation batch (and its log of completions) sized by the DP degree."""
     import datasets
     from trl import GRPOConfig, GRPOTrainer
 
@@ -423,7 +426,8 @@ def grpo_under_cp() -> Iterator:
         trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer,
                               reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
                               train_dataset=datasets.Dataset.from_dict({"prompt": ["sparse ring"] * 4}))
-        yield [(trainer, "_prepare_inputs"), (trainer, "_compute_loss"), (args, "generation_batch_size")]
+        yield [(trainer, "_prepare_inputs"), (trainer, "_compute_loss"), (args, "generation_batch_size"),
+               (trainer, "_logs")]
         enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=2))
         yield
         disable_trainer_context_parallel(trainer)
@@ -467,8 +471,8 @@ TWO_PROCESSES = {
     ("transformers.Trainer.is_fsdp_enabled", "accelerate.PartialState.distributed_type",
      "accelerate.state.AcceleratorState.distributed_type", "accelerate.state.AcceleratorState.fsdp_plugin"):
         cpu_fsdp2,
-    ("trl.GRPOTrainer._prepare_inputs", "trl.GRPOTrainer._compute_loss", "trl.GRPOConfig.generation_batch_size"):
-        grpo_under_cp,
+    ("trl.GRPOTrainer._prepare_inputs", "trl.GRPOTrainer._compute_loss", "trl.GRPOConfig.generation_batch_size",
+     "trl.GRPOTrainer._logs"): grpo_under_cp,
     ("trl.SFTConfig.packing", "trl.SFTConfig.eval_packing"): trl_packing_under_accelerates_cp,  # (last: see above)
 }
 

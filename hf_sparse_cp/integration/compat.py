@@ -252,6 +252,9 @@ PATCHES = (
     Patch("trl.GRPOConfig", "generation_batch_size", "sets", "under CP, GRPO's generation batch counts the "
           "data-parallel ranks' prompts (per_device_train_batch_size x DP x steps_per_generation; its config counted "
           "every process)", _CP_UNDO),
+    Patch("trl.GRPOTrainer", "_logs", "replaces", "under CP, the completions GRPO logs (--log_completions) are kept "
+          "in queues of the data-parallel generation batch's length (its __init__ sized them by every process's)",
+          _CP_UNDO, on_instances=True),
     Patch("trl.RewardTrainer", "compute_loss", "reads", "under CP, TRL's RewardTrainer gets its batches whole, each "
           "forward of its model sharded and its sequence-classification head's score of each row's last token taken "
           "on the rank holding it and summed over the CP group (`heads.pool_over_cp_group`)",

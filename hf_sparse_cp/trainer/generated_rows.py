@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -178,6 +179,10 @@ def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDi
     # completions: seen data-parallel, by its DP rank, as a data-parallel run's process of that rank draws them)
     set_seed(trainer.args.seed + layout.dp_rank)
     patches.set_attr(trainer.args, "generation_batch_size", generation_batch_size(trainer.args, layout.dp_size))
+    # (the completions it logs, `--log_completions`, kept in queues of its generation batch's length, which its
+    # __init__ sized by every process's count: its prompts' queue held more than its rewards', and printing the
+    # samples indexed past the rewards)
+    patches.set_attr(trainer, "_logs", _logs_of_length(trainer._logs, trainer.args.generation_batch_size))
     view = DataParallelView(trainer.accelerator, layout, dp_groups(layout))
     preparing = [False]
     prepare_inputs, compute_loss = trainer._prepare_inputs, trainer._compute_loss
@@ -219,6 +224,14 @@ def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDi
     patches.set_attr(trainer, "_prepare_inputs", prepare_on_first_rank)
     patches.set_attr(trainer, "_compute_loss", loss_seen_data_parallel)
     return lambda: preparing[0]
+
+
+def _logs_of_length(logs: dict[str, Any], length: int) -> dict[str, Any]:
+    """GRPO's log of completions `logs` (its queues, and dicts of queues by name), empty, with queues of `length`."""
+    def queue() -> deque:
+        return deque(maxlen=length)
+
+    return {key: defaultdict(queue) if isinstance(value, defaultdict) else queue() for key, value in logs.items()}
 
 
 def _to(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
