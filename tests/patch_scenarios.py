@@ -10,6 +10,8 @@ tests/distributed/test_patch_registry_cp.py; that every changing entry has a sce
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import os
 import tempfile
@@ -27,6 +29,7 @@ from hf_sparse_cp.integration.architectures import (
     router_loss_modules,
     rowwise_classes,
 )
+from hf_sparse_cp.integration.compat import GENERATING
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 _MISSING = object()
@@ -176,19 +179,21 @@ def settings_during_a_call() -> Iterator:
             yield
 
 
-def grpo_seen_data_parallel() -> Iterator:
-    """What GRPO's own code reads under CP during one call (`generated_rows.seen_as`): its accelerator and the
-    collectives its module imports, the data-parallel view's."""
-    import trl.trainer.grpo_trainer as grpo
-
+def seen_data_parallel() -> Iterator:
+    """What GRPO's and RLOO's own code reads under CP during one call (`generated_rows.seen_as`): its accelerator and
+    the collectives its module imports, the data-parallel view's."""
     from hf_sparse_cp.distributed import ParallelDims
     from hf_sparse_cp.trainer.generated_rows import DataParallelView, seen_as
 
-    with tempfile.TemporaryDirectory() as tmp:
+    modules = [importlib.import_module(f"trl.trainer.{name.lower()}_trainer") for name in GENERATING]
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as calls:
         trainer = Trainer(model=torch.nn.Linear(2, 2), args=_args(tmp))
-        yield [(trainer, "accelerator"), (grpo, "gather"), (grpo, "gather_object")]
-        with seen_as(trainer, DataParallelView(trainer.accelerator, ParallelDims.single(), None)):
-            yield
+        yield [(trainer, "accelerator"),
+               *((module, name) for module in modules for name in ("gather", "gather_object"))]
+        view = DataParallelView(trainer.accelerator, ParallelDims.single(), None)
+        for module in modules:
+            calls.enter_context(seen_as(trainer, view, module))
+        yield
 
 
 def adapter_regularizer() -> Iterator:
@@ -317,8 +322,8 @@ ONE_PROCESS = {
     ("transformers.TrainingArguments.use_liger_kernel",): liger_kernel_flag,
     ("transformers.TrainingArguments.average_tokens_across_devices",
      "transformers.Trainer.current_gradient_accumulation_steps"): settings_during_a_call,
-    ("transformers.Trainer.accelerator", "trl.trainer.grpo_trainer.gather", "trl.trainer.grpo_trainer.gather_object"):
-        grpo_seen_data_parallel,
+    ("transformers.Trainer.accelerator", *(f"trl.trainer.{trainer.lower()}_trainer.{name}" for trainer in GENERATING
+                                           for name in ("gather", "gather_object"))): seen_data_parallel,
     ("peft.AdaLoraConfig.orth_reg_weight",): adapter_regularizer,
     ("hf_sparse_cp.attention.sequence.sequence_layout", "os.environ.HF_SPARSE_CP_DENSE_BACKEND"):
         capturing_layouts,
@@ -407,11 +412,11 @@ def cpu_fsdp2() -> Iterator:
         disable_cpu_fsdp2(trainer)
 
 
-def grpo_under_cp() -> Iterator:
-    """TRL's GRPOTrainer under CP 2: its step's inputs shared by each CP group's first rank, its loss in the
-    data-parallel view, its generation batch (and its log of completions) sized by the DP degree."""
+def generating_under_cp(name: str) -> Iterator:
+    """TRL's `<name>Trainer` (GRPO, RLOO) under CP 2: its step's inputs shared by each CP group's first rank, its loss
+    in the data-parallel view, its generation batch (and its log of completions) sized by the DP degree."""
     import datasets
-    from trl import GRPOConfig, GRPOTrainer
+    import trl
 
     from hf_sparse_cp import ContextParallelConfig, disable_trainer_context_parallel, enable_trainer_context_parallel
     from hf_sparse_cp.examples.tokenizer import byte_tokenizer
@@ -421,11 +426,13 @@ def grpo_under_cp() -> Iterator:
         tokenizer = byte_tokenizer()
         model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer)))
         hf_sparse_cp.configure(model)
-        args = GRPOConfig(output_dir=tmp, report_to="none", save_strategy="no", use_cpu=True,
-                          per_device_train_batch_size=2, num_generations=2)
-        trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer,
-                              reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
-                              train_dataset=datasets.Dataset.from_dict({"prompt": ["sparse ring"] * 4}))
+        args = getattr(trl, f"{name}Config")(output_dir=tmp, report_to="none", save_strategy="no", use_cpu=True,
+                                             per_device_train_batch_size=2, num_generations=2,
+                                             beta=0.0)  # (RLOO's default beta loads a reference model)
+        prompts = datasets.Dataset.from_dict({"prompt": ["sparse ring"] * 4})
+        trainer = getattr(trl, f"{name}Trainer")(model=model, args=args, processing_class=tokenizer,
+                                                 reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+                                                 train_dataset=prompts)
         yield [(trainer, "_prepare_inputs"), (trainer, "_compute_loss"), (args, "generation_batch_size"),
                (trainer, "_logs")]
         enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=2))
@@ -471,8 +478,10 @@ TWO_PROCESSES = {
     ("transformers.Trainer.is_fsdp_enabled", "accelerate.PartialState.distributed_type",
      "accelerate.state.AcceleratorState.distributed_type", "accelerate.state.AcceleratorState.fsdp_plugin"):
         cpu_fsdp2,
-    ("trl.GRPOTrainer._prepare_inputs", "trl.GRPOTrainer._compute_loss", "trl.GRPOConfig.generation_batch_size",
-     "trl.GRPOTrainer._logs"): grpo_under_cp,
+    **{(f"trl.{name}Trainer._prepare_inputs", f"trl.{name}Trainer._compute_loss",
+        f"trl.{name}Config.generation_batch_size", f"trl.{name}Trainer._logs"):
+       functools.partial(generating_under_cp, name)
+       for name in GENERATING},
     ("trl.SFTConfig.packing", "trl.SFTConfig.eval_packing"): trl_packing_under_accelerates_cp,  # (last: see above)
 }
 

@@ -109,6 +109,9 @@ _ACCELERATOR = "accelerate.Accelerator"
 PARSERS = ("transformers.HfArgumentParser", "trl.scripts._hf_argparser.HfArgumentParser")
 _CP_UNDO = "disable_trainer_context_parallel(trainer) / disable_curriculum(trainer) (detach_from_trainer)"
 _LAUNCH_UNDO = "the end of the launched script (`launched`)"
+# TRL's trainers that generate their rows in the step (`trainer/generated_rows.py`), by name: trl.<name>Trainer,
+# trl.<name>Config and their module trl.trainer.<name, lower case>_trainer
+GENERATING = ("GRPO", "RLOO")
 # TRL's experimental trainers whose loss CP reproduces on whole rows: (module, class), read where a script imported them
 WHOLE_ROW_EXPERIMENTAL = (("trl.experimental.orpo", "ORPOTrainer"), ("trl.experimental.cpo", "CPOTrainer"))
 
@@ -230,31 +233,35 @@ PATCHES = (
                                                                                     "return_outputs",
                                                                                     "num_items_in_batch"))
       for module, name in WHOLE_ROW_EXPERIMENTAL),
-    Patch("trl.GRPOTrainer", "compute_loss", "reads", "under CP, TRL's GRPOTrainer trains on whole rows as DPO does "
-          "(`cp_generated_row_losses`, trainer/generated_rows.py)",
-          parameters=("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
-    Patch("trl.GRPOTrainer", "_prepare_inputs", "replaces", "under CP, each CP group's first rank generates, scores "
-          "and computes the reference and old log-probabilities of the step's rows (GRPO's own code, seen "
-          "data-parallel), and broadcasts them to its group", _CP_UNDO, ("self", "generation_batch")),
-    Patch("trl.GRPOTrainer", "_metrics", "reads", "under CP, the metrics GRPO logs, which each CP group's first "
-          "rank computes as it generates (`_prepare_inputs`), go to the other ranks of its group with the step's rows "
-          "(their values copied into the others' dict of the step's metrics)", on_instances=True),
-    Patch("trl.GRPOTrainer", "_compute_loss", "replaces", "under CP, GRPO's loss and metrics run in the data-parallel "
-          "view (its normalization by num_processes, its gathers of metrics over the DP group)", _CP_UNDO,
-          ("self", "model", "inputs")),
-    Patch(_TRAINER, "accelerator", "replaces", "while GRPO's own code runs under CP, its accelerator is "
-          "the data-parallel view (`generated_rows.DataParallelView`): num_processes, process_index and collectives "
-          "over the DP group", "the end of the call (`temporarily`)", on_instances=True),
-    *(Patch("trl.trainer.grpo_trainer", name, "replaces", f"while GRPO's own code runs under CP, the {name} it "
-            "imports from accelerate is the data-parallel view's (over the DP group: its rewards' groups span DP "
-            "ranks, not the CP ranks holding the same rows)", "the end of the call (`temporarily`)")
-      for name in ("gather", "gather_object")),
-    Patch("trl.GRPOConfig", "generation_batch_size", "sets", "under CP, GRPO's generation batch counts the "
-          "data-parallel ranks' prompts (per_device_train_batch_size x DP x steps_per_generation; its config counted "
-          "every process)", _CP_UNDO),
-    Patch("trl.GRPOTrainer", "_logs", "replaces", "under CP, the completions GRPO logs (--log_completions) are kept "
-          "in queues of the data-parallel generation batch's length (its __init__ sized them by every process's)",
-          _CP_UNDO, on_instances=True),
+    *(entry for trainer in GENERATING for entry in (
+        Patch(f"trl.{trainer}Trainer", "compute_loss", "reads", f"under CP, TRL's {trainer}Trainer trains on whole "
+              "rows as DPO does (`cp_generated_row_losses`, trainer/generated_rows.py)",
+              parameters=("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
+        Patch(f"trl.{trainer}Trainer", "_prepare_inputs", "replaces", "under CP, each CP group's first rank generates, "
+              "scores and computes the reference and old log-probabilities of the step's rows (the trainer's own "
+              "code, seen data-parallel), and broadcasts them to its group", _CP_UNDO, ("self", "generation_batch")),
+        Patch(f"trl.{trainer}Trainer", "_metrics", "reads", f"under CP, the metrics {trainer} logs, which each CP "
+              "group's first rank computes as it generates (`_prepare_inputs`), go to the other ranks of its group "
+              "with the step's rows (their values copied into the others' dict of the step's metrics)",
+              on_instances=True),
+        Patch(f"trl.{trainer}Trainer", "_compute_loss", "replaces", f"under CP, {trainer}'s loss and metrics run in "
+              "the data-parallel view (its normalization by num_processes, its gathers of metrics over the DP group)",
+              _CP_UNDO, ("self", "model", "inputs")),
+        *(Patch(f"trl.trainer.{trainer.lower()}_trainer", name, "replaces", f"while {trainer}'s own code runs under "
+                f"CP, the {name} it imports from accelerate is the data-parallel view's (over the DP group: its "
+                "rewards' groups span DP ranks, not the CP ranks holding the same rows)",
+                "the end of the call (`temporarily`)")
+          for name in ("gather", "gather_object")),
+        Patch(f"trl.{trainer}Config", "generation_batch_size", "sets", f"under CP, {trainer}'s generation batch "
+              "counts the data-parallel ranks' prompts (per_device_train_batch_size x DP x steps_per_generation; its "
+              "config counted every process)", _CP_UNDO),
+        Patch(f"trl.{trainer}Trainer", "_logs", "replaces", f"under CP, the completions {trainer} logs "
+              "(--log_completions) are kept in queues of the data-parallel generation batch's length (its __init__ "
+              "sized them by every process's)", _CP_UNDO, on_instances=True))),
+    Patch(_TRAINER, "accelerator", "replaces", "while the own code of a trainer that generates its rows (GRPO, RLOO) "
+          "runs under CP, its accelerator is the data-parallel view (`generated_rows.DataParallelView`): "
+          "num_processes, process_index and collectives over the DP group", "the end of the call (`temporarily`)",
+          on_instances=True),
     Patch("trl.RewardTrainer", "compute_loss", "reads", "under CP, TRL's RewardTrainer gets its batches whole, each "
           "forward of its model sharded and its sequence-classification head's score of each row's last token taken "
           "on the rank holding it and summed over the CP group (`heads.pool_over_cp_group`)",
@@ -594,10 +601,10 @@ def cp_whole_row_losses() -> tuple[Callable, ...]:
 
 
 def cp_generated_row_losses() -> tuple[Callable, ...]:
-    """Those of `cp_whole_row_losses` whose rows the trainer generates in the step (TRL GRPOTrainer's:
-    `trainer/generated_rows.py`)."""
+    """Those of `cp_whole_row_losses` whose rows the trainer generates in the step (TRL GRPOTrainer's and
+    RLOOTrainer's, `GENERATING`: `trainer/generated_rows.py`)."""
     trl = sys.modules.get("trl")
-    return (trl.GRPOTrainer.compute_loss,) if trl is not None else ()
+    return tuple(getattr(trl, f"{name}Trainer").compute_loss for name in GENERATING) if trl is not None else ()
 
 
 def cp_row_score_losses() -> tuple[Callable, ...]:

@@ -229,13 +229,14 @@ def check_training_arguments(args, cp_size: int, env: Mapping[str, str] | None =
 
 
 def check_loss(trainer: Trainer, cp_size: int) -> None:
-    """Raise ValueError, naming the fix, when the Trainer computes a loss of its own (TRL's RLOO and distillation
-    trainers; a script's `compute_loss` or `compute_loss_func`): under CP each rank's forward
+    """Raise ValueError, naming the fix, when the Trainer computes a loss of its own (TRL's distillation trainers;
+    a script's `compute_loss` or `compute_loss_func`): under CP each rank's forward
     covers only its shard of every sequence, so a loss built from the outputs (per-sequence log-prob sums, a last
     token's score, generations, labels shifted within a shard) is the shard's, not the sequence's; such a run
-    crashed mid-step or trained on wrong values. TRL's DPOTrainer, KTOTrainer, RewardTrainer and GRPOTrainer, whose
-    forwards' outputs are gathered into whole rows (`whole_rows.py`; GRPO's generated rows: `generated_rows.py`),
-    pass, unless a setting of it cannot (`check_whole_row_trainer`, `check_generating_trainer`)."""
+    crashed mid-step or trained on wrong values. TRL's DPOTrainer, KTOTrainer, RewardTrainer, GRPOTrainer and
+    RLOOTrainer, whose forwards' outputs are gathered into whole rows (`whole_rows.py`; GRPO's and RLOO's generated
+    rows: `generated_rows.py`), pass, unless a setting of it cannot (`check_whole_row_trainer`,
+    `check_generating_trainer`)."""
     method = type(trainer).compute_loss
     # (the Trainer's own loss hands the logits and the rank's labels to it instead of the model's loss; label
     # smoothing's, the other such loss, is made the CP group's by `smooth_labels_over_cp_group`, for the Trainer's
@@ -278,7 +279,7 @@ def check_loss(trainer: Trainer, cp_size: int) -> None:
 
 def own_loss_refusal(trainer_class: type[Trainer], cp_size: int) -> str | None:
     """`check_loss`'s refusal of every Trainer of `trainer_class` under CP `cp_size`: its compute_loss is none that
-    CP reproduces (TRL's RLOO, distillation trainers); None when it is one of them (a Trainer of it may still
+    CP reproduces (TRL's distillation trainers); None when it is one of them (a Trainer of it may still
     be refused for its settings or model). The launcher asks it of the TRL trainer a script builds
     (`launch.known_scripts`), before any process starts and builds the script's data."""
     method = trainer_class.compute_loss
@@ -582,7 +583,8 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     predicting = [False]
     shard: list[CPShard | None] = [None]  # the step's batch's (None: the batch ran unsharded)
     whole_rows = type(trainer).compute_loss in compat.cp_whole_row_losses()
-    # (GRPO's rows are generated in the step, unsharded on each CP group's first rank: those forwards are not CP's)
+    # (GRPO's and RLOO's rows are generated in the step, unsharded on each CP group's first rank: those forwards are
+    # not CP's)
     preparing = (share_generation_batches(trainer, patches, parallel)
                  if type(trainer).compute_loss in compat.cp_generated_row_losses() else lambda: False)
     hook_forwards = hook_whole_row_forwards(trainer, patches, parallel, prepare,

@@ -1,9 +1,10 @@
-"""Context parallelism for TRL's GRPOTrainer, whose rows are generated in the training step: it completes each prompt
-`num_generations` times, scores the completions, normalizes the rewards over each prompt's group (its groups may span
-processes: it gathers the rewards over all of them and takes its own slice by `process_index`), and builds its loss
-from per-token log-probabilities of the whole rows.
+"""Context parallelism for TRL's trainers whose rows are generated in the training step, GRPOTrainer and RLOOTrainer:
+each completes each prompt `num_generations` times, scores the completions, derives advantages from the rewards of
+each prompt's group (GRPO normalizes them over the group, RLOO subtracts the leave-one-out mean of the others, after a
+KL penalty to the reference model; the groups may span processes: it gathers the rewards over all of them and takes
+its own slice by `process_index`), and builds its loss from per-token log-probabilities of the whole rows.
 
-Under CP, GRPO sees the data-parallel view (`DataParallelView`): while its own code runs, its accelerator's
+Under CP, the trainer sees the data-parallel view (`DataParallelView`): while its own code runs, its accelerator's
 `num_processes`, `process_index` and collectives (`gather`, `reduce`, `pad_across_processes`, the `gather` and
 `gather_object` its module imports from accelerate) are the data-parallel ones, over the ranks that hold the same
 place in their CP groups, so its groups, slices, normalizations and metrics are those of a data-parallel run without
@@ -20,6 +21,7 @@ import contextlib
 import sys
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -28,15 +30,12 @@ import torch.distributed as dist
 from ..distributed import ParallelDims
 from ..integration.patching import temporarily
 
-# GRPOTrainer's module: the accelerate collectives it imports by name.
-GRPO_MODULE = "trl.trainer.grpo_trainer"
-
 
 def check_generating_trainer(trainer, cp_size: int, dp_size: int) -> None:
-    """Raise ValueError, naming the setting and the fix, for a GRPO setting that CP does not run as a data-parallel
-    run does: generation by vLLM or transformers' continuous batching (their own process layouts and collectives
-    over all processes), FSDP (its forwards gather the parameters from every rank, where one rank of each CP group
-    generates alone), and batch sizes that the data-parallel degree does not fit."""
+    """Raise ValueError, naming the setting and the fix, for a setting of a GRPO or RLOO trainer that CP does not run
+    as a data-parallel run does: generation by vLLM or transformers' continuous batching (their own process layouts
+    and collectives over all processes), FSDP (its forwards gather the parameters from every rank, where one rank of
+    each CP group generates alone), and batch sizes that the data-parallel degree does not fit."""
     args, cp = trainer.args, cp_size
     fix = ("or run without CP (drop --cp_size): sparse attention alone trains it, on one process or with data "
            "parallelism")
@@ -72,10 +71,10 @@ def check_generating_trainer(trainer, cp_size: int, dp_size: int) -> None:
 
 @contextlib.contextmanager
 def generation_batch_counted_by_trl(args) -> Iterator[None]:
-    """Inside, a given `--generation_batch_size` of `args` (a GRPO config's) is counted over every process, CP ranks
-    included, as GRPOConfig's `__post_init__` counts it (deriving `steps_per_generation` from it: under CP 2 a batch
-    of 8 prompts at 4 per device was 1 step of 4 prompts, on one process 2 steps of 4); restored after. The given batch
-    is one data-parallel run's, which a CP group holds one rank's share of (`generation_batch_size`)."""
+    """Inside, a given `--generation_batch_size` of `args` (a GRPO or RLOO config's) is counted over every process, CP
+    ranks included, as their configs' `__post_init__` counts it (deriving `steps_per_generation` from it: under CP 2 a
+    batch of 8 prompts at 4 per device was 1 step of 4 prompts, on one process 2 steps of 4); restored after. The
+    given batch is one data-parallel run's, which a CP group holds one rank's share of (`generation_batch_size`)."""
     given, cp = getattr(args, "generation_batch_size", None), getattr(args, "cp_size", 1)
     if given is None or cp == 1:
         yield
@@ -88,8 +87,8 @@ def generation_batch_counted_by_trl(args) -> Iterator[None]:
 
 
 def generation_batch_size(args, dp_size: int) -> int:
-    """GRPO's prompts per generation over all data-parallel ranks: its config counts every process (CP ranks
-    included); a CP group holds one data-parallel rank's."""
+    """The prompts per generation of a GRPO or RLOO trainer over all data-parallel ranks: its config counts every
+    process (CP ranks included); a CP group holds one data-parallel rank's."""
     return args.per_device_train_batch_size * dp_size * args.steps_per_generation
 
 
@@ -149,9 +148,9 @@ class DataParallelView:
 
 
 @contextlib.contextmanager
-def seen_as(trainer, view: DataParallelView) -> Iterator[None]:
-    """GRPO's accelerator and the collectives its module imports from accelerate are `view`'s inside the block."""
-    module = sys.modules[GRPO_MODULE]
+def seen_as(trainer, view: DataParallelView, module: ModuleType) -> Iterator[None]:
+    """The trainer's accelerator and the collectives its module `module` imports from accelerate are `view`'s inside
+    the block."""
     with (temporarily(trainer, "accelerator", view), temporarily(module, "gather", view.gather),
           temporarily(module, "gather_object", view.gather_object)):
         yield
@@ -167,16 +166,17 @@ def dp_groups(parallel: ParallelDims):
 
 
 def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDims]) -> Callable[[], bool]:
-    """Make TRL's GRPOTrainer `trainer` run under CP as a data-parallel run: its own code in the data-parallel view
-    (`DataParallelView`), its `_prepare_inputs` (generation, rewards, advantages, reference and old log-probabilities)
-    run on each CP group's first rank and its result broadcast to the group, and its generation batch sized by the DP
-    degree. Returns a function saying whether `_prepare_inputs` runs (its forwards are then not CP forwards: they
-    take whole rows on one rank). `patches` undoes it."""
+    """Make TRL's GRPOTrainer or RLOOTrainer `trainer` run under CP as a data-parallel run: its own code in the
+    data-parallel view (`DataParallelView`), its `_prepare_inputs` (generation, rewards, advantages, reference and old
+    log-probabilities) run on each CP group's first rank and its result broadcast to the group, and its generation
+    batch sized by the DP degree. Returns a function saying whether `_prepare_inputs` runs (its forwards are then not
+    CP forwards: they take whole rows on one rank). `patches` undoes it."""
     from accelerate.utils import set_seed
 
     layout = parallel()
-    # (GRPO seeds each process by its index, `set_seed(seed, device_specific=True)`, that the processes draw different
-    # completions: seen data-parallel, by its DP rank, as a data-parallel run's process of that rank draws them)
+    # (GRPO and RLOO seed each process by its index, `set_seed(seed, device_specific=True)`, that the processes draw
+    # different completions: seen data-parallel, by its DP rank, as a data-parallel run's process of that rank draws
+    # them)
     set_seed(trainer.args.seed + layout.dp_rank)
     patches.set_attr(trainer.args, "generation_batch_size", generation_batch_size(trainer.args, layout.dp_size))
     # (the completions it logs, `--log_completions`, kept in queues of its generation batch's length, which its
@@ -184,6 +184,9 @@ def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDi
     # samples indexed past the rewards)
     patches.set_attr(trainer, "_logs", _logs_of_length(trainer._logs, trainer.args.generation_batch_size))
     view = DataParallelView(trainer.accelerator, layout, dp_groups(layout))
+    # (the module of its loss, `trl.trainer.grpo_trainer` for a GRPOTrainer or a subclass of it: its code imports
+    # accelerate's `gather` and `gather_object` by name)
+    module = sys.modules[type(trainer).compute_loss.__module__]
     preparing = [False]
     prepare_inputs, compute_loss = trainer._prepare_inputs, trainer._compute_loss
 
@@ -193,7 +196,7 @@ def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDi
         if layout.cp_rank == 0:
             preparing[0] = True
             try:
-                with seen_as(trainer, view):
+                with seen_as(trainer, view, module):
                     inputs = prepare_inputs(generation_batch)
             except Exception as error:
                 # (the group's other ranks wait in the broadcast: they raise too, naming the cause, rather than
@@ -218,7 +221,7 @@ def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDi
         return _to(inputs, trainer.accelerator.device)
 
     def loss_seen_data_parallel(model, inputs):
-        with seen_as(trainer, view):
+        with seen_as(trainer, view, module):
             return compute_loss(model, inputs)
 
     patches.set_attr(trainer, "_prepare_inputs", prepare_on_first_rank)

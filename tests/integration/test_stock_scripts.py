@@ -307,18 +307,20 @@ def test_trls_dpo_script_under_cp2_equals_one_process(workdir):
         workdir / "tiny" / "model.safetensors").items())  # (it trained)
 
 
-def test_trls_grpo_script_under_cp2_equals_one_process(workdir):
-    """TRL's grpo.py (its Trainer completes the prompts it gets and computes its own loss) trains with sparse attention,
-    and under CP 2, where it was refused at start, as one process does: each CP group's first rank generates and
-    scores the step's completions and shares them with its group, the loss's forwards take half of every row. The
-    loss, rewards and entropy of every step and the saved weights (SGD: the update is the gradient's)."""
+@pytest.mark.parametrize("script", ["grpo", "rloo"])
+def test_trls_generating_script_under_cp2_equals_one_process(workdir, script):
+    """TRL's grpo.py and rloo.py (their Trainer completes the prompts it gets and computes its own loss) train with
+    sparse attention, and under CP 2, where they were refused at start, as one process does: each CP group's first
+    rank generates and scores the step's completions and shares them with its group, the loss's forwards take half of
+    every row. The loss, rewards and entropy of every step and the saved weights (SGD: the update is the gradient's;
+    RLOO's default beta 0.05: a KL penalty to the reference model in its rewards)."""
     data = [{"prompt": p} for p in _words(8, 0)]
-    # GRPO's reward: a function the script imports from the working directory (`module.function`)
+    # the reward: a function the script imports from the working directory (`module.function`)
     (workdir / "length_reward.py").write_text("def reward(completions, **kwargs):\n"
                                               "    return [float(len(c)) for c in completions]\n")
     args = ["--reward_funcs", "length_reward.reward", "--num_generations", "2", "--max_completion_length", "8",
             "--per_device_train_batch_size", "2", "--optim", "sgd", "--learning_rate", "0.05"]
-    one, cp2 = (_trl_script(workdir, f"grpo_{name}", "grpo", data, args, cp)
+    one, cp2 = (_trl_script(workdir, f"{script}_{name}", script, data, args, cp)
                 for name, cp in (("one", []), ("cp2", ["--nproc", "2", "--cp_size", "2"])))
     one, cp2 = one(), cp2()
     assert one.returncode == 0, one.stderr[-6000:]
@@ -330,8 +332,8 @@ def test_trls_grpo_script_under_cp2_equals_one_process(workdir):
     for got, want in zip(logs, reference):  # (as TRL prints them: 4 significant digits)
         for key in ("loss", "grad_norm", "reward", "reward_std", "entropy", "completions/mean_length", "num_tokens"):
             assert float(got[key]) == pytest.approx(float(want[key]), rel=1e-3, abs=1e-4), (key, logs, reference)
-    weights, trained = load_file(workdir / "grpo_cp2" / "model.safetensors"), load_file(
-        workdir / "grpo_one" / "model.safetensors")
+    weights, trained = load_file(workdir / f"{script}_cp2" / "model.safetensors"), load_file(
+        workdir / f"{script}_one" / "model.safetensors")
     for name, tensor in trained.items():
         assert torch.allclose(weights[name], tensor, rtol=1e-5, atol=1e-6), name
     assert any(not torch.equal(trained[name], tensor) for name, tensor in load_file(

@@ -47,20 +47,21 @@ def unreachable(completions, **kwargs) -> list[float]:
     raise ConnectionError("the reward server is down")
 
 
-def _train(rank: int, world: int, model: str, output_dir: str, cp: dict, grpo: dict, reward=distinct) -> dict:
-    from trl import GRPOConfig, GRPOTrainer
-
+def _train(rank: int, world: int, model: str, output_dir: str, cp: dict, grpo: dict, reward=distinct,
+           trainer: str = "GRPO") -> dict:
+    """Train TRL's `<trainer>Trainer` (GRPO or RLOO: they take the same arguments and log the same metrics)."""
     from hf_sparse_cp import sparse_arguments_class, sparse_trainer_class
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="1")
     torch.manual_seed(0)
     tokenizer = byte_tokenizer()
-    args = sparse_arguments_class(GRPOConfig)(output_dir=output_dir, **{**GRPO, **grpo}, **PATTERN, **cp)
-    trainer = sparse_trainer_class(GRPOTrainer)(model=model, args=args, reward_funcs=reward,
-                                                train_dataset=datasets.Dataset.from_dict(_prompts()),
-                                                eval_dataset=datasets.Dataset.from_dict(_prompts(4, seed=1)),
-                                                processing_class=tokenizer)
+    config, trainer_class = getattr(trl, f"{trainer}Config"), getattr(trl, f"{trainer}Trainer")
+    args = sparse_arguments_class(config)(output_dir=output_dir, **{**GRPO, **grpo}, **PATTERN, **cp)
+    trainer = sparse_trainer_class(trainer_class)(model=model, args=args, reward_funcs=reward,
+                                                  train_dataset=datasets.Dataset.from_dict(_prompts()),
+                                                  eval_dataset=datasets.Dataset.from_dict(_prompts(4, seed=1)),
+                                                  processing_class=tokenizer)
     trainer.train()
     evaluation = trainer.evaluate()
     logs = [log for log in trainer.state.log_history if "loss" in log]
@@ -70,12 +71,15 @@ def _train(rank: int, world: int, model: str, output_dir: str, cp: dict, grpo: d
             "weights": {name: p.detach().clone() for name, p in trainer.model.named_parameters()}}
 
 
-def _assert_equal(run: dict, one: dict) -> None:
+def _assert_equal(run: dict, one: dict, absolute: dict[str, float] | None = None) -> None:
+    """`run`'s logs, evaluation and weights are `one`'s (`absolute`: a logged value's absolute tolerance, 1e-6 unless
+    given)."""
     assert len(run["logs"]) == len(one["logs"]) == GRPO["max_steps"]
     for got, want in zip(run["logs"], one["logs"], strict=True):
         assert got.keys() == want.keys()
         for key in want:
-            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (key, got[key], want[key])
+            tolerance = (absolute or {}).get(key, 1e-6)
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=tolerance), (key, got[key], want[key])
     assert run["eval"].keys() == one["eval"].keys() and "eval_reward" in one["eval"]
     for key, want in one["eval"].items():
         assert run["eval"][key] == pytest.approx(want, rel=1e-5, abs=1e-6), (key, run["eval"][key], want)
@@ -151,20 +155,20 @@ def test_a_failure_generating_the_rows_ends_every_rank_of_the_group_naming_it(tm
                                          r"steps_per_generation 1, is not a multiple of --num_generations 2"),
     ({"is_fsdp_enabled": True}, r"with FSDP \(--fsdp\) under context parallelism \(CP 2\).*Fix: drop --fsdp"),
 ], ids=["vllm", "continuous-batching", "generation-batch", "fsdp"])
-def test_a_grpo_setting_cp_does_not_run_as_data_parallel_is_refused_naming_the_fix(tmp_path, tiny, setting,
-                                                                                   refusal):
-    """vLLM's and continuous batching's generation exchange prompts and completions over all processes, FSDP's
-    forwards gather the parameters from every rank (one rank of each CP group generates alone), and a generation batch
-    of one data-parallel rank's prompts must hold whole groups: refused at start, naming the fix."""
-    from trl import GRPOConfig, GRPOTrainer
-
+@pytest.mark.parametrize("trainer", ["GRPO", "RLOO"])
+def test_a_setting_cp_does_not_run_as_data_parallel_is_refused_naming_the_fix(tmp_path, tiny, setting, refusal,
+                                                                              trainer):
+    """A GRPO or RLOO setting: vLLM's and continuous batching's generation exchange prompts and completions over all
+    processes, FSDP's forwards gather the parameters from every rank (one rank of each CP group generates alone), and a
+    generation batch of one data-parallel rank's prompts must hold whole groups: refused at start, naming the fix."""
     from hf_sparse_cp.trainer.generated_rows import check_generating_trainer
 
-    args = GRPOConfig(output_dir=str(tmp_path), **GRPO, use_cpu=True)
-    trainer = GRPOTrainer(model=tiny, args=args, reward_funcs=distinct, processing_class=byte_tokenizer(),
-                          train_dataset=datasets.Dataset.from_dict(_prompts(2)))
-    check_generating_trainer(trainer, 2, 1)  # (its settings run under CP)
+    args = getattr(trl, f"{trainer}Config")(output_dir=str(tmp_path), **GRPO, use_cpu=True)
+    built = getattr(trl, f"{trainer}Trainer")(model=tiny, args=args, reward_funcs=distinct,
+                                              processing_class=byte_tokenizer(),
+                                              train_dataset=datasets.Dataset.from_dict(_prompts(2)))
+    check_generating_trainer(built, 2, 1)  # (its settings run under CP)
     for name, value in setting.items():  # (set after the Trainer's start: vLLM is not installed here)
-        setattr(trainer if name == "is_fsdp_enabled" else args, name, value)
+        setattr(built if name == "is_fsdp_enabled" else args, name, value)
     with pytest.raises(ValueError, match=refusal):
-        check_generating_trainer(trainer, 2, 1)
+        check_generating_trainer(built, 2, 1)

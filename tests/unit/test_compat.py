@@ -17,30 +17,31 @@ from transformers import Trainer, TrainingArguments
 from hf_sparse_cp.integration import compat
 
 
-def _grpo_trainer(tmp_path):
-    """TRL's GRPOTrainer of a tiny model (None without TRL): its instance members."""
+def _generating_trainer(tmp_path, name: str):
+    """TRL's `<name>Trainer` (GRPO, RLOO) of a tiny model (None without TRL): its instance members."""
     if importlib.util.find_spec("trl") is None:
         return None
     import datasets
+    import trl
     from transformers import AutoModelForCausalLM
-    from trl import GRPOConfig, GRPOTrainer
 
     from hf_sparse_cp.examples.tokenizer import byte_tokenizer
     from hf_sparse_cp.testing.tiny_models import tiny_config
 
     tokenizer = byte_tokenizer()
-    return GRPOTrainer(model=AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer))),
-                       args=GRPOConfig(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2,
-                                       num_generations=2),
-                       reward_funcs=lambda completions, **kwargs: [0.0] * len(completions), processing_class=tokenizer,
-                       train_dataset=datasets.Dataset.from_dict({"prompt": ["sparse ring"] * 2}))
+    args = getattr(trl, f"{name}Config")(str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2,
+                                         num_generations=2, beta=0.0)  # (RLOO's default loads a reference)
+    return getattr(trl, f"{name}Trainer")(
+        model=AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer))), args=args,
+        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions), processing_class=tokenizer,
+        train_dataset=datasets.Dataset.from_dict({"prompt": ["sparse ring"] * 2}))
 
 
 def _instances(tmp_path) -> dict:
     trainer = Trainer(model=torch.nn.Linear(2, 2),
                       args=TrainingArguments(str(tmp_path), use_cpu=True, report_to="none"))
     return {"accelerate.Accelerator": trainer.accelerator, "transformers.Trainer": trainer,
-            "trl.GRPOTrainer": _grpo_trainer(tmp_path),
+            **{f"trl.{name}Trainer": _generating_trainer(tmp_path, name) for name in compat.GENERATING},
             "transformers.trainer_callback.CallbackHandler": trainer.callback_handler,
             "accelerate.PartialState": PartialState(), "accelerate.state.AcceleratorState": AcceleratorState(),
             # (what `torch.library.get_ctx()` gives a fake implementation: the plan op's, integration/compiled.py)

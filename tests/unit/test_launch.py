@@ -1153,8 +1153,8 @@ def test_a_launch_the_arguments_refuse_ends_a_launched_script_as_a_bad_flag(tmp_
     assert f"train.py: error: {message}" in err and "Traceback" not in err, err
 
 
-# (the template's parser reads ORPOConfig: imported beside RLOOTrainer)
-_RLOO = "\nfrom trl import RLOOTrainer\nfrom trl.experimental.orpo import ORPOConfig"
+# (the template's parser reads ORPOConfig: imported beside DistillationTrainer)
+_DISTILLATION = "\nfrom trl import DistillationTrainer\nfrom trl.experimental.orpo import ORPOConfig"
 TRL_SCRIPT = textwrap.dedent("""
     from trl import ModelConfig, TrlParser{imports}
 
@@ -1168,29 +1168,31 @@ TRL_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("script, refused", [
     (["-m", "trl.scripts.reward"], None),  # (CP pools its head's score over the group's whole rows)
     (["-m", "trl.scripts.grpo"], None),  # (its CP groups share the rows they generate, as DPO's whole rows)
-    (["-m", "trl.scripts.rloo"], "RLOOTrainer"),
+    (["-m", "trl.scripts.rloo"], None),  # (as GRPO's)
+    (["-m", "trl.scripts.distillation"], "DistillationTrainer"),
     (["-m", "trl.scripts.dpo"], None),  # (CP gathers its whole rows)
     (["-m", "trl.scripts.sft"], None),
     # TRL's examples/scripts/orpo.py builds TRL's ORPOTrainer by name (CP gathers its whole rows' logits)
     ([("\nfrom trl.experimental.orpo import ORPOConfig, ORPOTrainer", "trainer = ORPOTrainer(model=None, args=args)")],
      None),
-    # a script that builds TRL's RLOOTrainer by name
-    ([(_RLOO, "trainer = RLOOTrainer(model=None, args=args)")], "RLOOTrainer"),
+    # a script that builds TRL's DistillationTrainer by name
+    ([(_DISTILLATION, "trainer = DistillationTrainer(model=None, args=args)")], "DistillationTrainer"),
     # what the source does not say for sure is left to the processes: a trainer of the script's own, one of two
-    ([(f"{_RLOO}\nclass Mine(RLOOTrainer): pass", "trainer = Mine(model=None, args=args)")], None),
-    ([(f"{_RLOO}\nfrom trl import SFTTrainer", "trainer = (RLOOTrainer if args.seed else SFTTrainer)(model=None, "
-       "args=args)")], None),
-    ([(f"{_RLOO}\nfrom trl import SFTTrainer",
-       "trainer = RLOOTrainer(model=None, args=args) if args.seed else SFTTrainer(model=None, args=args)")], None),
+    ([(f"{_DISTILLATION}\nclass Mine(DistillationTrainer): pass", "trainer = Mine(model=None, args=args)")], None),
+    ([(f"{_DISTILLATION}\nfrom trl import SFTTrainer",
+       "trainer = (DistillationTrainer if args.seed else SFTTrainer)(model=None, args=args)")], None),
+    ([(f"{_DISTILLATION}\nfrom trl import SFTTrainer",
+       "trainer = DistillationTrainer(model=None, args=args) if args.seed else SFTTrainer(model=None, args=args)")],
+     None),
 ])
 def test_a_trl_trainer_cp_does_not_reproduce_is_refused_before_the_processes_start(started, monkeypatch,
                                                                                    tmp_path, capsys,
                                                                                     script, refused):
-    """TRL's RLOO trainer under CP was refused only once every process had built its Trainer,
-    after loading and tokenizing the data: the launcher reads which trainer the script builds from its source
-    (`-m trl.scripts.rloo`, a script that builds TRL's RLOOTrainer) and refuses with the same message before any
-    process starts; where the source does not say for sure, the processes refuse as before. Each process refuses it
-    too as its flags parse (`launched`), for a launch that does not go through `hf-sparse-cp launch`."""
+    """TRL's distillation trainer under CP was refused only once every process had built its Trainer, after loading
+    and tokenizing the data: the launcher reads which trainer the script builds from its source (`-m
+    trl.scripts.distillation`, a script that builds TRL's DistillationTrainer) and refuses with the same message
+    before any process starts; where the source does not say for sure, the processes refuse as before. Each process
+    refuses it too as its flags parse (`launched`), for a launch that does not go through `hf-sparse-cp launch`."""
     pytest.importorskip("trl")
     from hf_sparse_cp import cli
 
@@ -1222,10 +1224,10 @@ def test_each_process_refuses_the_trl_trainer_its_script_builds_as_its_flags_par
         run.trainers = [trl.SFTTrainer]
         HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(argv)
     with launched(PluginArguments()) as run, pytest.raises(SystemExit) as refused:
-        run.trainers = [trl.RLOOTrainer]
+        run.trainers = [trl.DistillationTrainer]
         HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(argv)
     assert refused.value.code == 2
-    assert "error: RLOOTrainer under context parallelism (CP 2) is not supported" in capsys.readouterr().err
+    assert "error: DistillationTrainer under context parallelism (CP 2) is not supported" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="liger-kernel runs on CUDA")
