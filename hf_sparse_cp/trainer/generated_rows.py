@@ -181,8 +181,10 @@ def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDi
     patches.set_attr(trainer.args, "generation_batch_size", generation_batch_size(trainer.args, layout.dp_size))
     # (the completions it logs, `--log_completions`, kept in queues of its generation batch's length, which its
     # __init__ sized by every process's count: its prompts' queue held more than its rewards', and printing the
-    # samples indexed past the rewards)
-    patches.set_attr(trainer, "_logs", _logs_of_length(trainer._logs, trainer.args.generation_batch_size))
+    # samples indexed past the rewards; attached within the Trainer's __init__, as the launcher attaches, before the
+    # trainer's own __init__ builds them: they are then built of the length set here)
+    if hasattr(trainer, "_logs"):
+        patches.set_attr(trainer, "_logs", _logs_of_length(trainer._logs, trainer.args.generation_batch_size))
     view = DataParallelView(trainer.accelerator, layout, dp_groups(layout))
     # (the module of its loss, `trl.trainer.grpo_trainer` for a GRPOTrainer or a subclass of it: its code imports
     # accelerate's `gather` and `gather_object` by name)
