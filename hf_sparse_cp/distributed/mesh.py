@@ -211,6 +211,14 @@ class ParallelDims:
         """Global rank of the CP group member at ring `position`."""
         return self.cp_ranks[position]
 
+    def new_data_parallel_group(self):
+        """Create the data-parallel groups, the ranks at one place in every CP group (a collective: every rank calls
+        it), with the default group's timeout as the CP groups; returns this rank's (None at DP 1)."""
+        if self.dp_size == 1:
+            return None
+        return _new_groups([[members[place] for members in self.cp_groups] for place in range(self.cp_size)],
+                           self.rank)
+
     @classmethod
     def single(cls, sharding: str = "striped", mode=None) -> ParallelDims:
         """One process, no communication (CP size 1); `mode`: what a CP group of one runs (`CPMode.resolve`)."""

@@ -156,15 +156,6 @@ def seen_as(trainer, view: DataParallelView, module: ModuleType) -> Iterator[Non
         yield
 
 
-def dp_groups(parallel: ParallelDims):
-    """This rank's data-parallel group: the ranks at its place in every CP group (None at DP 1). Every rank builds
-    every group, as `torch.distributed.new_group` requires."""
-    if parallel.dp_size == 1:
-        return None
-    groups = [dist.new_group([members[place] for members in parallel.cp_groups]) for place in range(parallel.cp_size)]
-    return groups[parallel.cp_rank]
-
-
 def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDims]) -> Callable[[], bool]:
     """Make TRL's GRPOTrainer or RLOOTrainer `trainer` run under CP as a data-parallel run: its own code in the
     data-parallel view (`DataParallelView`), its `_prepare_inputs` (generation, rewards, advantages, reference and old
@@ -185,7 +176,7 @@ def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDi
     # trainer's own __init__ builds them: they are then built of the length set here)
     if hasattr(trainer, "_logs"):
         patches.set_attr(trainer, "_logs", _logs_of_length(trainer._logs, trainer.args.generation_batch_size))
-    view = DataParallelView(trainer.accelerator, layout, dp_groups(layout))
+    view = DataParallelView(trainer.accelerator, layout, layout.new_data_parallel_group())
     # (the module of its loss, `trl.trainer.grpo_trainer` for a GRPOTrainer or a subclass of it: its code imports
     # accelerate's `gather` and `gather_object` by name)
     module = sys.modules[type(trainer).compute_loss.__module__]
