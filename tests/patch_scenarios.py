@@ -209,6 +209,17 @@ def adapter_regularizer() -> Iterator:
         yield
 
 
+def grouped_sdpa_measurement() -> Iterator:
+    """The memory model's measurement of a layer's saved tensors: transformers' SDPA keeps grouped K/V heads."""
+    from transformers.integrations import sdpa_attention
+
+    from hf_sparse_cp.simulator.shapes import _sdpa_keeps_key_value_heads
+
+    yield [(sdpa_attention, "use_gqa_in_sdpa")]
+    with _sdpa_keeps_key_value_heads():
+        yield
+
+
 def liger_kernel_flag() -> Iterator:
     """--use_liger_kernel with sparse attention on a (pretended) CUDA machine: the plugin applies liger-kernel
     itself (only its module replacement runs here) and turns the Trainer's own application off."""
@@ -325,6 +336,7 @@ ONE_PROCESS = {
     ("transformers.Trainer.accelerator", *(f"trl.trainer.{trainer.lower()}_trainer.{name}" for trainer in GENERATING
                                            for name in ("gather", "gather_object"))): seen_data_parallel,
     ("peft.AdaLoraConfig.orth_reg_weight",): adapter_regularizer,
+    ("transformers.integrations.sdpa_attention.use_gqa_in_sdpa",): grouped_sdpa_measurement,
     ("hf_sparse_cp.attention.sequence.sequence_layout", "os.environ.HF_SPARSE_CP_DENSE_BACKEND"):
         capturing_layouts,
     (*(f"{parser}.{name}" for parser in ("transformers.HfArgumentParser", "trl.scripts._hf_argparser.HfArgumentParser")

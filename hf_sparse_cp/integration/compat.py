@@ -346,11 +346,11 @@ PATCHES = (
     Patch("transformers.TrainingArguments", "gradient_checkpointing", "sets", "long sequences turn gradient "
           "checkpointing on (--sparse_gradient_checkpointing_min_length)", "disable_sparse_attention(model)",
           alternatives=("activation_checkpointing",)),
-    Patch("transformers.integrations.sdpa_attention", "use_gqa_in_sdpa", "reads", "the memory predictions measure "
-          "what a decoder layer saves with SDPA's stand-in taking grouped K/V heads as our attention does: "
-          "TRANSFORMERS_SDPA_FORCE_GQA, which it reads at each call, is set during the measurement "
-          "(simulator/shapes.py `layer_saved`; a layer whose call gets repeated heads is refused)",
-          "the end of the measurement", parameters=("attention_mask", "key", "value")),
+    Patch("transformers.integrations.sdpa_attention", "use_gqa_in_sdpa", "sets", "the memory predictions measure "
+          "what a decoder layer saves with SDPA's stand-in taking grouped K/V heads as our attention does: during the "
+          "measurement it answers yes (simulator/shapes.py `layer_saved`; its conditions and signature differ between "
+          "releases, TRANSFORMERS_SDPA_FORCE_GQA exists only in some; a layer whose call gets repeated heads is "
+          "refused)", "the end of the measurement (restored in a finally)"),
     Patch("transformers.AttentionInterface", "_global_mapping", "reads", "unpatch(): there is no public "
           "unregister"),
     Patch("transformers.masking_utils.AttentionMaskInterface", "_global_mapping", "reads", "unpatch(): there is "

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -153,19 +152,24 @@ class _AttentionStandIn(TorchFunctionMode):
         return out
 
 
+def _grouped_heads(*_: Any, **__: Any) -> bool:
+    return True
+
+
 @contextlib.contextmanager
 def _sdpa_keeps_key_value_heads() -> Iterator[None]:
     """transformers' SDPA call takes grouped K/V heads as they are (`enable_gqa`) rather than repeating them, as our
-    attention takes them (its `use_gqa_in_sdpa` reads TRANSFORMERS_SDPA_FORCE_GQA at each call); restored after."""
-    name, before = "TRANSFORMERS_SDPA_FORCE_GQA", os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
-    os.environ[name] = "1"
+    attention takes them: its `use_gqa_in_sdpa` (looked up at each call; its signature and its conditions differ
+    between releases, an environment variable only in some) answers yes inside the block, and is restored after (set
+    here, not through integration.patching: the simulator sits below the integration layer)."""
+    from transformers.integrations import sdpa_attention
+
+    before = sdpa_attention.use_gqa_in_sdpa
+    sdpa_attention.use_gqa_in_sdpa = _grouped_heads
     try:
         yield
     finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
+        sdpa_attention.use_gqa_in_sdpa = before
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

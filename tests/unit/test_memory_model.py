@@ -189,6 +189,24 @@ def test_a_recomputed_layer_of_any_architecture_saves_what_the_model_counts(mode
     assert 0 < layout <= predicted["layout"]
 
 
+@pytest.mark.parametrize("release_rule", [
+    lambda attention_mask, key: attention_mask is None,  # transformers 5.17 on CUDA (no environment variable)
+    lambda attention_mask, key, value: False,  # an accelerator without grouped SDPA
+], ids=["mask-none-only", "never"])
+def test_a_layers_saved_tensors_are_measured_whatever_the_releases_rule_for_grouped_sdpa(monkeypatch, release_rule):
+    """Issue #50: on the H200 (transformers 5.17) every config of grouped K/V heads was refused ("made 1 SDPA calls (key
+    /value heads [14])": its `use_gqa_in_sdpa` reads no TRANSFORMERS_SDPA_FORCE_GQA and repeated the heads), so
+    bench_e2e's sparse_cp step at 256K failed before training; the measurement now answers that rule itself."""
+    from transformers.integrations import sdpa_attention
+
+    config = tiny_config("llama", vocab_size=300)
+    assert config.num_key_value_heads < config.num_attention_heads
+    expected = Architecture.from_config(config).layer_saved
+    monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", release_rule)
+    assert Architecture.from_config(config).layer_saved == expected
+    assert sdpa_attention.use_gqa_in_sdpa is release_rule  # (restored after the measurement)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_model_without_the_lean_loss_holds_its_stock_logits(dtype):
     """Issue #50: every config was predicted with the lean loss, which replaces the forward of the Llama-like causal
