@@ -230,12 +230,17 @@ SHORTLIST = {
 # Above head_dim 128 (`NARROW_HEAD_DIM`; the 16-bit `WIDE_HEAD_TILES`, sm_90 builds only, benchmarks/results/README.md,
 # heads above 128 lanes): the launched tiles, the same in FlexAttention's grid order, and the builds that fit shared
 # memory with a little stack: the forward's 128-row tiles (192 KB, 16 B), dq with the columns' dk/dv in its loop
-# (512-576 B); and the key-major column kernel at 16 steps (136 KB, 192 B).
+# (512-576 B); and the key-major column kernel at 16 steps (136 KB, 192 B). FlexAttention's sm_90 forward tiles at
+# head_dim 256 (64 x 32, 4 warps, 3 stages: 252 registers, no stack, 128 KB, full-width m64n256 products where the
+# 8-warp tiles issue m64n128 and m64n32) and a dk/dv tile without spill (64 x 32, 8 warps: 178 registers, where the
+# launched 64 x 64 keeps 320 B of stack) after the H200 timed ours at 0.31x Flex on the same blocks (32K, vs@5%,
+# 2026-12-04; benchmarks/results/README.md); sm_90 builds with Triton 3.6.
 WIDE_HEAD_SHORTLIST = {
-    "forward": [Tiles(64, 64, 64, 8, 2), Tiles(64, 64, 64, 8, 2, tile_major=True), Tiles(128, 64, 64, 8, 2)],
+    "forward": [Tiles(64, 64, 64, 8, 2), Tiles(64, 64, 64, 8, 2, tile_major=True), Tiles(128, 64, 64, 8, 2),
+                Tiles(64, 32, 32, 4, 3)],
     "dq": [Tiles(64, 64, 64, 8, 1, separate_columns=True), Tiles(64, 64, 64, 8, 1, separate_columns=True,
                                                                  tile_major=True), Tiles(64, 64, 64, 8, 1)],
-    "dkdv": [Tiles(64, 64, 0, 8, 2), Tiles(64, 64, 0, 8, 2, tile_major=True)],
+    "dkdv": [Tiles(64, 64, 0, 8, 2), Tiles(64, 64, 0, 8, 2, tile_major=True), Tiles(64, 32, 0, 8, 2)],
     "columns": [Tiles(64, 0, 64, 8, 2, query_steps=16)],
 }
 
