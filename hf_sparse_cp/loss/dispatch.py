@@ -3,6 +3,12 @@
 liger-kernel is an optional extra (`pip install "hf-sparse-cp[liger]"`): its availability is
 checked once, on first use, and it is imported only then. The environment variable
 `HF_SPARSE_CP_LOSS_BACKEND` (`auto`, `torch`, `liger`) overrides the choice.
+
+In a model compiled whole (a Trainer's --torch_compile), liger-kernel's loss runs outside the graphs, as it runs
+eagerly: dynamo does not keep its autograd Function whole but compiles its forward's code frame by frame (breaking at
+its host reads), which would hand its Triton kernels' in-place writes into slices of its buffers to inductor. One
+graph break at the loss instead; the chunked PyTorch loss, whose chunk loop a trace would unroll (hundreds of chunks
+at long context), is no replacement there.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ def resolve_backend(device: torch.device, backend: str | None = None) -> str:
     return backend
 
 
+@torch.compiler.disable
 def _liger_linear_cross_entropy(hidden, weight, labels, *, bias, num_items_in_batch, ignore_index):
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 

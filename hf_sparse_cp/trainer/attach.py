@@ -195,14 +195,16 @@ def fused_ops_choice(model: torch.nn.Module, sparse_args: SparseCPArguments,
 def training_fused_ops(setting: str, training_args: TrainingArguments) -> str:
     """'liger', 'compile' or 'off' for `--sparse_fused_ops setting` in a Trainer of `training_args`: the
     Trainer's `--use_liger_kernel` asks for liger-kernel's kernels (with 'auto', or 'liger'); on CUDA when the
-    Trainer trains there. Raises ValueError, naming the fix, for what this machine cannot run (also checked as the
-    plugin's arguments parse, before a script builds its data)."""
+    Trainer trains there; 'auto' leaves a model the Trainer compiles whole (`--torch_compile`) to inductor. Raises
+    ValueError, naming the fix, for what this machine cannot run (also checked as the plugin's arguments parse,
+    before a script builds its data)."""
     if getattr(training_args, "use_liger_kernel", False):
         if setting not in ("auto", "liger"):
             raise ValueError(f"--use_liger_kernel asks for liger-kernel's kernels and --sparse_fused_ops {setting} "
                              "for something else; drop one of the two.")
         setting = "liger"
-    return resolve_fused_ops(setting, torch.cuda.is_available() and not training_args.use_cpu)
+    return resolve_fused_ops(setting, torch.cuda.is_available() and not training_args.use_cpu,
+                             compiled=bool(getattr(training_args, "torch_compile", False)))
 
 
 def _set_attn_implementation(model: torch.nn.Module, implementation: str | dict) -> None:
@@ -443,7 +445,8 @@ def attach_to_trainer(
         else:
             how = "off"
         layers, note = describe_layers(trainer.model, max_length)
-        logger.warning("%s; %s; context parallelism: %s.%s", layers, describe_fused_ops(trainer.model), how, note)
+        fused = describe_fused_ops(trainer.model, compiled=bool(trainer.args.torch_compile))
+        logger.warning("%s; %s; context parallelism: %s.%s", layers, fused, how, note)
     return parallel
 
 

@@ -90,6 +90,9 @@ def test_the_start_up_line_says_which_layers_are_sparse_and_warns_when_none_is(t
     assert ("sparse_cp: 2 of 2 layers vertical-slash (block 32); fused ops: off (stock PyTorch around attention); "
             "context parallelism: off" in _start_up_line(caplog, tmp_path, *PATTERN, "--sparse_dense_first_layers",
                                                           "0"))
+    # --torch_compile: inductor fuses the work around attention in the model the Trainer compiles whole
+    assert ("fused ops: by torch.compile's inductor in the model compiled whole (--torch_compile; liger-kernel's "
+            "kernels left out)" in _start_up_line(caplog, tmp_path, *PATTERN, "--torch_compile"))
     text = _start_up_line(caplog, tmp_path, "--sparse_dense_first_layers", "1", "--sparse_min_seq_len", "8192")
     assert "layer 0 dense (pattern)" in text
     # the note ends the line, after what the line says of the layers, the fused ops and CP

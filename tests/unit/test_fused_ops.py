@@ -25,7 +25,7 @@ from hf_sparse_cp.integration.fused_ops import (
 from hf_sparse_cp.integration.memory_savers import ReplacedForward
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.arguments import is_flag_error
-from hf_sparse_cp.trainer.attach import disable_sparse_attention, enable_sparse_attention
+from hf_sparse_cp.trainer.attach import disable_sparse_attention, enable_sparse_attention, training_fused_ops
 
 PATTERN = SparseAttentionConfig(block_size=16, min_seq_len=64, dense_first_layers=0, vertical_topk=8, slash_topk=4,
                                 sink_tokens=4, local_window=16, last_q=8)
@@ -62,6 +62,23 @@ def test_auto_is_liger_on_cuda_with_liger_kernel_and_off_otherwise(monkeypatch):
     assert resolve_fused_ops("auto", on_cuda=True) == "off"
     with pytest.raises(ValueError, match=r"needs liger-kernel: pip install 'hf-sparse-cp\[liger\]'"):
         resolve_fused_ops("liger", on_cuda=True)
+
+
+def test_auto_leaves_a_model_compiled_whole_to_inductor_and_keeps_an_explicit_liger(monkeypatch, tmp_path):
+    """Under a Trainer's --torch_compile (the model compiled whole) 'auto' is 'off': inductor fuses that work, and
+    liger-kernel's in-place Triton kernels stay out of the graphs (the compiled H200 step with them faulted); an
+    explicit 'liger' or --use_liger_kernel is still liger-kernel's. CUDA pretended: only the choice runs."""
+    eager, compiled, liger = (TrainingArguments(output_dir=str(tmp_path), report_to=[], **flags) for flags in (
+        {}, {"torch_compile": True}, {"torch_compile": True, "use_liger_kernel": True}))
+    monkeypatch.setattr(fused_ops, "is_liger_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_fused_ops("auto", on_cuda=True, compiled=True) == "off"
+    assert resolve_fused_ops("liger", on_cuda=True, compiled=True) == "liger"
+    assert resolve_fused_ops("compile", on_cuda=True, compiled=True) == "compile"
+    assert [training_fused_ops("auto", args) for args in (eager, compiled, liger)] == ["liger", "off", "liger"]
+    model = _model()
+    assert describe_fused_ops(model, compiled=True).startswith("fused ops: by torch.compile's inductor")
+    assert describe_fused_ops(model) == "fused ops: off (stock PyTorch around attention)"
 
 
 @pytest.mark.parametrize("setting, message", [("liger", "need a CUDA GPU; on CPU use --sparse_fused_ops compile"),

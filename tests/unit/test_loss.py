@@ -304,6 +304,31 @@ def test_liger_call_normalizes_like_transformers(liger_like):
     assert liger_like == ["sum"] * 3
 
 
+def test_liger_loss_runs_outside_a_compiled_models_graph(liger_like, monkeypatch):
+    """In a model compiled whole (--torch_compile), liger-kernel's loss runs as it does eagerly, outside the graphs:
+    dynamo traced into it, compiling liger's forward frame by frame (a break at each host read) with its Triton
+    kernels' in-place writes into slices of its buffers in the graphs (the compiled H200 step faulted)."""
+    fake = sys.modules["liger_kernel.transformers.functional"]
+    liger, traced = fake.liger_fused_linear_cross_entropy, []
+
+    def recording(*args, **kwargs):
+        traced.append(torch.compiler.is_compiling())
+        return liger(*args, **kwargs)
+
+    monkeypatch.setattr(fake, "liger_fused_linear_cross_entropy", recording)
+    hidden, weight, _, labels = _problem(torch.float32)
+    eager_loss, eager_grads = _dispatched(hidden, weight, labels)
+    torch._dynamo.reset()
+    h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    loss = torch.compile(lambda h, w: 2.0 * linear_cross_entropy(h.reshape(-1, HIDDEN), w, _shift(labels).reshape(-1)),
+                         backend="eager")(h, w)
+    loss.backward()
+    assert traced == [False, False]
+    torch.testing.assert_close(loss, 2.0 * eager_loss)
+    for g, r in zip([h.grad, w.grad], eager_grads, strict=True):
+        torch.testing.assert_close(g, 2.0 * r)
+
+
 @pytest.mark.gpu
 def test_chunked_on_cuda_is_as_accurate_as_stock():
     hidden, weight, b, labels = (t.cuda() if t is not None else None for t in _problem(torch.bfloat16, bias=True))
