@@ -21,11 +21,14 @@ longest fits, targets) to benchmarks/results/.
 The sparse variants run as the plugin's Trainer path does, their `--sparse_fused_ops` setting aside: `sparse_cp`
 its default ('auto': liger-kernel's RoPE, RMSNorm and SwiGLU kernels on CUDA where liger-kernel is installed, the
 baseline's fused kernels outside attention and ours for attention), `sparse_cp+compile` the MLPs and RMSNorms
-through torch.compile, `sparse_cp+unfused` stock PyTorch around attention; each row records what ran
+through torch.compile, `sparse_cp+unfused` stock PyTorch around attention, `sparse_cp+liger` liger-kernel's kernels
+even in a compiled model (`--sparse_fused_ops liger`); each row records what ran
 (`fused_ops`). `--torch_compile` compiles the whole model of every run as a stock script's --torch_compile does
 (the sparse attention calls inside its graphs as the plugin's custom ops, or outside them with `--traced_attention
 outside`: one graph break per layer, as before the ops); the warm-up steps' times (`warmup_times_s`) then include the
-compilation. The lean loss takes liger-kernel's fused linear cross-entropy when it is installed. MLPs and
+compilation, and `sparse_cp`'s 'auto' leaves the work around attention to inductor, as the plugin does under a
+Trainer's --torch_compile. The lean loss takes liger-kernel's fused linear cross-entropy when it is installed (in a
+compiled model outside the graphs, one break). MLPs and
 RMSNorms run in token tiles from `--token_tiling_min_length` (32K; the plugin's
 `--sparse_token_tiling_min_length`) on, saved layer inputs in host memory with `--offload_layer_inputs`. Each
 sparse row also carries the memory model's prediction of its peak (`predicted_peak_gib`,
@@ -67,9 +70,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 # The sparse variants by their `--sparse_fused_ops` setting (`hf_sparse_cp.integration.fused_ops`): `sparse_cp` as the
-# plugin runs by default (liger-kernel's RoPE, RMSNorm and SwiGLU on CUDA where it is installed), compiled, unfused.
-SPARSE_FUSED_OPS = {"sparse_cp": "auto", "sparse_cp+compile": "compile", "sparse_cp+unfused": "off"}
+# plugin runs by default (liger-kernel's RoPE, RMSNorm and SwiGLU on CUDA where it is installed, inductor's fusion in
+# a model compiled whole), compiled, unfused, and liger-kernel's asked for explicitly (also under --torch_compile).
+SPARSE_FUSED_OPS = {"sparse_cp": "auto", "sparse_cp+compile": "compile", "sparse_cp+unfused": "off",
+                    "sparse_cp+liger": "liger"}
 VARIANTS = ("sdpa", "sdpa+liger", *SPARSE_FUSED_OPS)
+# (sparse_cp+liger differs from sparse_cp only under --torch_compile: asked for by name)
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if SPARSE_FUSED_OPS.get(v) != "liger")
 SPARSE_VARIANTS = tuple(SPARSE_FUSED_OPS)
 # sdpa + liger-kernel: every kernel liger-kernel has for Qwen2 (its fused linear cross-entropy included), as a
 # Trainer script's --use_liger_kernel applies them; the baseline as its users run it.
@@ -99,7 +106,8 @@ class BenchArguments:
         default=None,
         metadata={"help": f"Model shapes, from {sorted(MODEL_SHAPES)}; default 0.5b 1.5b (tiny with --tiny)."},
     )
-    variants: list[str] = field(default_factory=lambda: list(VARIANTS), metadata={"help": f"From {VARIANTS}."})
+    variants: list[str] = field(default_factory=lambda: list(DEFAULT_VARIANTS),
+                                metadata={"help": f"From {VARIANTS}; default {DEFAULT_VARIANTS}."})
     min_seq: int | None = field(
         default=None, metadata={"help": "First sequence length; default 8192 (1024 with --tiny)."}
     )
@@ -242,7 +250,7 @@ def sparse_settings(sparse, args: BenchArguments, seq_len: int) -> tuple[dict, d
 
 def skip_reason(variant: str, device_type: str) -> str | None:
     """Why `variant` cannot run on this machine, or None."""
-    if variant not in LIGER_VARIANTS:
+    if variant not in LIGER_VARIANTS and SPARSE_FUSED_OPS.get(variant) != "liger":
         return None
     if device_type != "cuda":
         return "liger-kernel's Triton kernels need a CUDA GPU"
@@ -351,10 +359,10 @@ def run_one(spec: dict) -> dict:
             from hf_sparse_cp.memory import MemorySavers
 
             # as the plugin's Trainer glue does: the fused ops first, the token tiles wrapping them
-            choice = resolve_fused_ops(SPARSE_FUSED_OPS[variant], device.type == "cuda")
+            choice = resolve_fused_ops(SPARSE_FUSED_OPS[variant], device.type == "cuda", spec["torch_compile"])
             enable_fused_ops(model, choice, liger_settings(None, lean_loss=True))
             result["fused_ops"] = {"setting": SPARSE_FUSED_OPS[variant], "choice": choice,
-                                   "description": describe_fused_ops(model)}
+                                   "description": describe_fused_ops(model, spec["torch_compile"])}
             savers = MemorySavers(tiled=tiled, offload_layer_inputs=spec["offload_layer_inputs"])
             if savers.active:
                 enable_memory_savers(model, savers)
@@ -417,7 +425,7 @@ def worker_main(spec_json: str, result_path: str) -> None:
         result = run_one(spec)
     except Exception as e:  # reported as data: one failed configuration must not end the sweep
         result = {"model": spec["model"], "variant": spec["variant"], "seq_len": spec["seq_len"], "status": "error",
-                  "reason": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=8)}
+                  "reason": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=-12)}
     Path(result_path).write_text(json.dumps(result))
 
 

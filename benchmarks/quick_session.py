@@ -31,7 +31,8 @@ after every stage; the stages' own scripts write theirs as soon as they have a n
   where its wheel was carried in .whl/) against sdpa + liger-kernel (all of liger's kernels), one warm-up and
   one timed step each; sparse_cp's 'auto' engine reads the attention stage's table;
 - compile: the same sparse_cp step with the whole model compiled as a stock script's `--torch_compile` has the
-  Trainer do (`bench_e2e.py --torch_compile`), one warm-up (the compilation) and one timed step, against e2e's.
+  Trainer do (`bench_e2e.py --torch_compile`), one warm-up (the compilation) and one timed step, against e2e's
+  (the work around attention fused by inductor there, as the plugin's 'auto' leaves it in a compiled model).
 
 `quick2`: wide_tiles (the tile short list at head_dim 256, 32K: `configs.WIDE_HEAD_SHORTLIST`), e2e at 128K,
 fit (sparse_cp at 512K and 1M, one step each, its peak memory beside the memory model's prediction) and layer0
@@ -272,7 +273,8 @@ def first_layer_cost(e2e: dict, layer0: dict) -> list[dict]:
 def compiled_step(e2e: dict, compiled: dict) -> list[dict]:
     """sparse_cp's step with the whole model compiled (e2e-compile.json, --torch_compile) against the same step
     uncompiled and sdpa + liger (e2e.json) at each length the compiled step ran: the speed-ups, its first step (the
-    compilation included) and both peaks."""
+    compilation included), both peaks and what fused the work around attention in each (a compiled model's 'auto':
+    inductor; the uncompiled one's: liger-kernel where installed)."""
     out = []
     for r in compiled.get("results", []):
         if r["variant"] != "sparse_cp":
@@ -290,6 +292,8 @@ def compiled_step(e2e: dict, compiled: dict) -> list[dict]:
                     "compiled_over_liger": liger / step if liger and step else None,
                     "first_step_s": (r.get("warmup_times_s") or [None])[0], "peak_gib": r.get("peak_gib"),
                     "eager_peak_gib": uncompiled.get("peak_gib"),
+                    "fused_ops": (r.get("fused_ops") or {}).get("description"),
+                    "eager_fused_ops": (uncompiled.get("fused_ops") or {}).get("description"),
                     "loss_rel_diff": max((abs(a - b) / abs(b) for a, b in losses), default=None),
                     "unique_graphs": dynamo.get("stats", {}).get("unique_graphs"),
                     "graph_breaks": sum(dynamo.get("graph_breaks", {}).values()) if dynamo else None,
@@ -439,7 +443,7 @@ def format_summary(report: dict) -> str:
                      f"{c['first_step_s']:.0f} s), {ratio(c['speedup'])} over uncompiled, "
                      f"{ratio(c['compiled_over_liger'])} over sdpa + liger, {c['peak_gib']:.1f} GiB, losses "
                      f"{same} from uncompiled; {c['unique_graphs']} graphs, {c['graph_breaks']} graph breaks "
-                     f"({c['attention_breaks']} at attention)")
+                     f"({c['attention_breaks']} at attention); {c['fused_ops']}")
     for f in h["fit"]:
         # A step that did not finish has no time: its memory prediction row (no reason) shows the peak it reached,
         # its result row the reason.

@@ -26,7 +26,8 @@ def test_tiny_run_writes_a_complete_report(tmp_path, bench):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--tiny", "--max_seq", "2048", "--timed_steps", "1", "--device", "cpu",
-         "--profile_seq_lens", "1024", "--variants", "sdpa", "sdpa+liger", "sparse_cp", "--output", str(out)],
+         "--profile_seq_lens", "1024", "--variants", "sdpa", "sdpa+liger", "sparse_cp", "sparse_cp+liger",
+         "--output", str(out)],
         capture_output=True, text=True, timeout=300, env=env, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -38,8 +39,10 @@ def test_tiny_run_writes_a_complete_report(tmp_path, bench):
         assert report[key], key
     assert report["device_type"] == "cpu"
     rows = {(r["variant"], r["seq_len"]): r for r in report["results"]}
-    assert set(rows) == {("sdpa", 1024), ("sdpa", 2048), ("sdpa+liger", 1024), ("sparse_cp", 1024), ("sparse_cp", 2048)}
-    assert rows["sdpa+liger", 1024]["status"] == "skipped" and "CUDA" in rows["sdpa+liger", 1024]["reason"]
+    assert set(rows) == {("sdpa", 1024), ("sdpa", 2048), ("sdpa+liger", 1024), ("sparse_cp", 1024), ("sparse_cp", 2048),
+                         ("sparse_cp+liger", 1024)}
+    for variant in ("sdpa+liger", "sparse_cp+liger"):
+        assert rows[variant, 1024]["status"] == "skipped" and "CUDA" in rows[variant, 1024]["reason"]
 
     vocab = report["settings"]["model_shapes"]["tiny"]["vocab_size"]
     for (variant, seq_len), r in rows.items():

@@ -307,9 +307,13 @@ def test_the_compiled_step_against_the_uncompiled_one(quick):
     e2e = {"results": [row("sparse_cp", 7.0, losses=[12.0, 11.0], peak_gib=17.5), row("sdpa+liger", 33.6)]}
     dynamo = {"stats": {"unique_graphs": 3},
               "graph_breaks": {"Skip calling `torch.compiler.disable()`d function": 24, "Tensor.item()": 2}}
+    liger = {"choice": "liger", "description": "fused ops: liger-kernel 0.8.5 (...)"}
+    inductor = {"choice": "off", "description": "fused ops: by torch.compile's inductor (...)"}
+    e2e["results"][0]["fused_ops"] = liger
     compiled = {"results": [row("sparse_cp", 5.6, losses=[12.0, 11.011], peak_gib=18.0, warmup_times_s=[80.0],
-                                dynamo=dynamo)]}
+                                dynamo=dynamo, fused_ops=inductor)]}
     (step,) = quick.compiled_step(e2e, compiled)
+    assert (step["fused_ops"], step["eager_fused_ops"]) == (inductor["description"], liger["description"])
     assert step["speedup"] == pytest.approx(1.25) and step["compiled_over_liger"] == pytest.approx(6.0)
     assert step["first_step_s"] == 80.0 and step["eager_peak_gib"] == 17.5
     assert step["loss_rel_diff"] == pytest.approx(1e-3) and (step["unique_graphs"], step["graph_breaks"]) == (3, 26)
