@@ -18,22 +18,23 @@ trains at 512K and 1M; at 128K and 256K sparse_cp >= 3x and >= 5x the tokens/s o
 128K), at no more memory) and writes JSON (device, versions, date, the command, settings, results, speed-ups,
 longest fits, targets) to benchmarks/results/.
 
-The sparse variants run as the plugin's Trainer path does, their `--sparse_fused_ops` setting aside: `sparse_cp`
-its default ('auto': liger-kernel's RoPE, RMSNorm and SwiGLU kernels on CUDA where liger-kernel is installed, the
+The sparse variants run as the plugin's Trainer path does, their `--sparse_fused_ops` setting aside: `sparse_cp` its
+default ('auto': liger-kernel's RoPE, RMSNorm and SwiGLU kernels on CUDA where liger-kernel is installed, the
 baseline's fused kernels outside attention and ours for attention), `sparse_cp+compile` the MLPs and RMSNorms
 through torch.compile, `sparse_cp+unfused` stock PyTorch around attention, `sparse_cp+liger` liger-kernel's kernels
-even in a compiled model (`--sparse_fused_ops liger`); each row records what ran
-(`fused_ops`). `--torch_compile` compiles the whole model of every run as a stock script's --torch_compile does
-(the sparse attention calls inside its graphs as the plugin's custom ops, or outside them with `--traced_attention
+even in a compiled model (`--sparse_fused_ops liger`); each row records what ran (`fused_ops`) and the engines its
+attention calls ran on, each with why (`attention_engines`: with 'auto' on CUDA the engine table,
+`$HF_SPARSE_CP_ENGINE_TABLE`, decides between our kernels and Flex for a layer without columns, the dense first
+layer's). `--torch_compile` compiles the whole model of every run as a stock script's --torch_compile does (the
+sparse attention calls inside its graphs as the plugin's custom ops, or outside them with `--traced_attention
 outside`: one graph break per layer, as before the ops); the warm-up steps' times (`warmup_times_s`) then include the
 compilation, and `sparse_cp`'s 'auto' leaves the work around attention to inductor, as the plugin does under a
 Trainer's --torch_compile. The lean loss takes liger-kernel's fused linear cross-entropy when it is installed (in a
-compiled model outside the graphs, one break). MLPs and
-RMSNorms run in token tiles from `--token_tiling_min_length` (32K; the plugin's
-`--sparse_token_tiling_min_length`) on, saved layer inputs in host memory with `--offload_layer_inputs`. Each
-sparse row also carries the memory model's prediction of its peak (`predicted_peak_gib`,
-`hf_sparse_cp.simulator.memory_model`, what `hf-sparse-cp memory` computes) beside the measured one.
-`python benchmarks/memory_model.py --start_length 0.5b` prints the longest S predicted to fit this GPU.
+compiled model outside the graphs, one break). MLPs and RMSNorms run in token tiles from `--token_tiling_min_length`
+(32K; the plugin's `--sparse_token_tiling_min_length`) on, saved layer inputs in host memory with
+`--offload_layer_inputs`. Each sparse row also carries the memory model's prediction of its peak
+(`predicted_peak_gib`, `hf_sparse_cp.simulator.memory_model`, what `hf-sparse-cp memory` computes) beside the
+measured one. `python benchmarks/memory_model.py --start_length 0.5b` prints the longest S predicted to fit this GPU.
 
 The `sparse_cp` pattern budget: by default (`--kept_fraction 0.05`) vertical_topk and slash_topk are
 derived per S so that about 5% of the causal blocks are kept when the picks land at random places,
@@ -57,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 import resource
 import statistics
@@ -309,6 +311,28 @@ def _peak_gib(device) -> dict:
     return {"peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "memory_metric": "process peak RSS"}
 
 
+class _EngineChoices(logging.Handler):
+    """The attention engines a run's calls resolved to, each with why: `engines.resolve_engine` logs every choice
+    once per process ("Block-sparse attention engine: %s (%s).", engine and reason), and each run is a process."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.chosen: dict[str, str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        engine, why = record.args
+        self.chosen.setdefault(engine, why)
+
+    @classmethod
+    def attach(cls) -> _EngineChoices:
+        from hf_sparse_cp.attention import engines
+
+        handler = cls()
+        engines.logger.addHandler(handler)
+        engines.logger.setLevel(logging.INFO)
+        return handler
+
+
 def run_one(spec: dict) -> dict:
     """Build the model of `spec`, run warm-up and timed training steps, return the measurements."""
     import torch
@@ -336,6 +360,7 @@ def run_one(spec: dict) -> dict:
         hf_sparse_cp.enable_lean_loss()
         result["loss_backend"] = resolve_backend(device)
         tiled = bool(spec["token_tiling_min_length"]) and seq_len >= spec["token_tiling_min_length"]
+        engine_choices = _EngineChoices.attach()
         result["predicted_peak_gib"] = predicted_peak_gib(
             spec["model"], seq_len, step_settings(spec["sparse"], tiled, spec["offload_layer_inputs"],
                                                   result["loss_backend"]))
@@ -416,6 +441,7 @@ def run_one(spec: dict) -> dict:
     if sparse:
         result["kept_fraction"] = sum(kept.values()) / len(kept) if kept else None
         result["kept_fraction_per_layer"] = kept
+        result["attention_engines"] = engine_choices.chosen
     return result
 
 

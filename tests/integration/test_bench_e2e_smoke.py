@@ -59,6 +59,9 @@ def test_tiny_run_writes_a_complete_report(tmp_path, bench):
         # the plugin's default fused ops: liger-kernel on CUDA only; the memory model's peak beside the measured one
         assert sparse["fused_ops"]["setting"] == "auto" and sparse["fused_ops"]["choice"] == "off"
         assert sparse["predicted_peak_gib"] > 0
+        # the engine 'auto' gave its attention calls, with why (on a GPU the engine table decides a dense layer's)
+        assert set(sparse["attention_engines"]) == {"reference"}
+        assert sparse["attention_engines"]["reference"].startswith("auto; triton declined: cpu tensors")
         # Same init and tokens: before any update the two variants see the same model.
         assert abs(sparse["losses"][0] - rows["sdpa", seq_len]["losses"][0]) < 0.05
     assert rows["sparse_cp", 2048]["kept_fraction"] < 1  # the tiny pattern is really sparse
