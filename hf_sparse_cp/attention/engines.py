@@ -20,9 +20,11 @@ project's one override mechanism, `hf_sparse_cp.backends.choose_backend`). 'auto
 * for a layout without columns (dense layers, a block pattern) that both may run, it picks the faster of
   the kernels and Flex for the call's shape from a measured timing table (`$HF_SPARSE_CP_ENGINE_TABLE`, the
   JSON `benchmarks/bench_attention.py` writes, e.g. through `benchmarks/gpu_session.sh quick`): among the
-  table's rows for this GPU without columns, the nearest sequence length, then the nearest kept fraction
-  (rows of the call's head_dim first). Without a table for this GPU, or without such a row, the default
-  is the Triton kernels, the engine the earlier releases ran.
+  table's rows for this GPU without columns and of the call's head_dim, the nearest sequence length, then the
+  nearest kept fraction. Without a table for this GPU, or without such a row, the default is the Triton
+  kernels, the engine the earlier releases ran: rows of another head_dim do not decide (the H200's tables of
+  head_dim 128, within 1-3% between the engines, picked Flex in one session and the kernels in the next for the
+  0.5B model's dense first layer at head_dim 64).
 """
 
 from __future__ import annotations
@@ -275,14 +277,15 @@ def engine_table() -> dict | None:
 def pick_from_table(table: dict | None, device: str, shape: CallShape) -> str:
     """'triton' or 'flex' for a call of `shape` on `device` (a GPU's name), from `table`'s rows
     ({device, seq_len, kept_fraction, has_columns, head_dim, triton_ms, flex_ms}) as the module
-    docstring says; DEFAULT_ENGINE for a layout with columns and without a matching row."""
+    docstring says; DEFAULT_ENGINE for a layout with columns and without a row of its head_dim."""
     if shape.has_columns:  # the flex engine's column path is not a candidate (module docstring)
         return DEFAULT_ENGINE
     rows = [r for r in (table or {}).get("rows", ()) if table.get("device") == device and not r["has_columns"]]
     if not rows:
         return DEFAULT_ENGINE
-    same_dim = [r for r in rows if r["head_dim"] == shape.head_dim]
-    rows = same_dim or rows
+    rows = [r for r in rows if r["head_dim"] == shape.head_dim]
+    if not rows:
+        return DEFAULT_ENGINE
     nearest = min(abs(math.log2(r["seq_len"] / shape.seq_len)) for r in rows)
     rows = [r for r in rows if abs(math.log2(r["seq_len"] / shape.seq_len)) == nearest]
     row = min(rows, key=lambda r: abs(r["kept_fraction"] - shape.kept_fraction))
@@ -323,7 +326,7 @@ def resolve_engine(q: torch.Tensor, layout: SparseLayout, implementation: str = 
         if table is None:
             return _chosen(DEFAULT_ENGINE, f"auto: no ${TABLE_ENV}")
         return _chosen(pick_from_table(table, torch.cuda.get_device_name(q.device), CallShape.of(q, layout)),
-                       "auto: the timing table's nearest row")
+                       "auto: the timing table's nearest row of this head_dim (none: the default)")
     if able[0] == "reference" and q.is_cuda:
         warnings.warn(f"block-sparse attention on CUDA uses the PyTorch reference (slow) for "
                       f"{declined[DEFAULT_ENGINE]} ({passed}).", stacklevel=3)

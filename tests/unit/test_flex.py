@@ -275,7 +275,8 @@ def _table(device="GPU X", rows=None) -> dict:
     (32768, 0.15, True, 128, "triton"),   # ... where its row says Flex was faster too
     (40000, 0.9, False, 128, "flex"),     # the rows without columns, nearest length 32K
     (100000, 0.9, False, 128, "triton"),  # ... nearest length 128K
-    (262144, 0.5, False, 64, "triton"),   # no row of head_dim 64: the others; nearest length 128K
+    (262144, 0.5, False, 64, "triton"),   # no row of head_dim 64: the default
+    (40000, 0.9, False, 64, "triton"),    # ... even where the nearest row of another head_dim says Flex
 ])
 def test_auto_picks_the_faster_engine_of_the_nearest_measured_shape(seq_len, kept, columns, head_dim, expected):
     shape = engines.CallShape(seq_len, kept, columns, head_dim)
