@@ -8,13 +8,14 @@
 #   bash benchmarks/gpu_session.sh quick2            # a second lent machine: the rest (also --dry-run)
 #
 # `quick` (benchmarks/quick_session.py) runs, each stage capped, under one deadline counted from here (installs
-# included), in order of value: the columns / dq / forward / dk-dv tile short list at 128K (its chosen tiles, where
-# faster than the launched ones, are the tile table the later stages launch: $HF_SPARSE_CP_TILES), the attention
+# included), in order of value: the 0.5B training step at 256K (sparse_cp with the plugin's fused ops against sdpa +
+# liger-kernel), the same sparse_cp step compiled whole (a stock script's --torch_compile; inductor fuses the work
+# around attention there), the columns / dq / forward / dk-dv tile short list at 128K (its chosen tiles, where faster
+# than the launched ones, are the tile table the attention stage launches: $HF_SPARSE_CP_TILES), the attention
 # benchmark at 128K against every baseline (Flex on the same blocks, its flash backend, the flex engine, cuDNN and
 # flash SDPA) with the columns' cost and the estimation's share, the gpu-marked kernel tests at head_dim 160/256 and
-# fp32, the attention benchmark at head_dim 256 (32K: ours, Flex on the same blocks, cuDNN, flash), the 0.5B training
-# step at 256K (sparse_cp with the plugin's fused ops against sdpa + liger-kernel), and the same sparse_cp step
-# compiled whole (a stock script's --torch_compile). `quick2`: the tile short list at head_dim 256, the 0.5B step at
+# fp32, and the attention benchmark at head_dim 256 (32K: ours, ours on the blocks alone, Flex on the same blocks,
+# cuDNN, flash). `quick2`: the tile short list at head_dim 256, the 0.5B step at
 # 128K against sdpa + liger, sparse_cp at 512K and 1M beside the memory model's prediction, and sparse_cp at 128K with
 # the first layer sparse. See benchmarks/results/README.md for the files. Carry .whl/ with the call (the device tool's
 # `carry`): liger-kernel is both the baseline's kernels and the fused ops of sparse_cp.

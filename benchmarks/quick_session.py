@@ -5,15 +5,24 @@ GPU calls here are rare and short (one H200 for about 15 minutes of machine time
 at most 9 minutes per lent session), so one call must bring back what matters most. This script runs the stages of
 `--call` in order of value, each a subprocess with its own cap, under one global deadline (`--budget_s`, 540 s by
 default, counted from `$QUICK_START` when the shell wrapper set it, i.e. before its installs), and writes its JSON
-after every stage; the stages' own scripts write theirs as soon as they have a number. `quick`:
+after every stage; the stages' own scripts write theirs as soon as they have a number. `quick` (the 256K step and
+the compiled one first: the H200 call of 2026-12-04 measured the kernels' stages and not these):
 
+- e2e: `bench_e2e.py`, a Qwen2.5-0.5B-shaped training step (random init, bf16, lean loss, gradient
+  checkpointing) at 256K: `sparse_cp` as the plugin runs by default (liger-kernel's RoPE, RMSNorm and SwiGLU
+  where its wheel was carried in .whl/) against sdpa + liger-kernel (all of liger's kernels), one warm-up and
+  one timed step each; sparse_cp's 'auto' engine reads an attention stage's table where an earlier stage wrote
+  one (quick2; its rows of head_dim 128 do not decide for the model's head_dim 64);
+- compile: the same sparse_cp step with the whole model compiled as a stock script's `--torch_compile` has the
+  Trainer do (`bench_e2e.py --torch_compile`), one warm-up (the compilation) and one timed step, against e2e's
+  (the work around attention fused by inductor there, as the plugin's 'auto' leaves it in a compiled model);
 - tiles: `tune_tiles.py --shortlist --kernels columns dq forward dkdv` at 128K (the attention stage's geometry):
   the whole backward with the columns' dk/dv from the key-major kernel (`kernels/column_bwd.py`) against the dq
   kernel's atomics, then the few candidates of dq, the forward and dk/dv (FlexAttention's grid order, TMA, column
   steps that read their tokens once: `Tiles.column_meta_reload`), each
   checked against the launched tiles' result and each kernel timed with the earlier ones' chosen tiles. Its
   `chosen` tiles (a candidate at least 2% faster than the launched tiles and computing their result; none
-  otherwise) are the tile table the later stages launch from (`$HF_SPARSE_CP_TILES`, set only when tiles.json
+  otherwise) are the tile table the stages after it launch from (`$HF_SPARSE_CP_TILES`, set only when tiles.json
   exists; applied only on this GPU at head_dim 128, layout block 128, bf16: the attention stage, not the 0.5B
   model's head_dim 64 nor the head_dim-256 stages); every JSON records the variable;
 - attention: `bench_attention.py` at 128K, head_dim 128, GQA 16/2: a random vertical-slash layout at ~5% kept
@@ -24,15 +33,9 @@ after every stage; the stages' own scripts write theirs as soon as they have a n
 - wide_tests: the gpu-marked kernel tests of heads above 128 lanes (160, 256) and of fp32 inputs (their own tiles,
   `configs.WIDE_HEAD_TILES`, `FP32_TILES`, `FP32_WIDE_HEAD_TILES`) against the fp64 reference; pytest's report is
   folded into the session's JSON;
-- wide_attention: `bench_attention.py` at head_dim 256 (Gemma's), 32K, GQA 16/2, ~5% kept and dense: ours and
-  auto against Flex on the same blocks (and the check that both compute the same), cuDNN and flash SDPA dense;
-- e2e: `bench_e2e.py`, a Qwen2.5-0.5B-shaped training step (random init, bf16, lean loss, gradient
-  checkpointing) at 256K: `sparse_cp` as the plugin runs by default (liger-kernel's RoPE, RMSNorm and SwiGLU
-  where its wheel was carried in .whl/) against sdpa + liger-kernel (all of liger's kernels), one warm-up and
-  one timed step each; sparse_cp's 'auto' engine reads the attention stage's table;
-- compile: the same sparse_cp step with the whole model compiled as a stock script's `--torch_compile` has the
-  Trainer do (`bench_e2e.py --torch_compile`), one warm-up (the compilation) and one timed step, against e2e's
-  (the work around attention fused by inductor there, as the plugin's 'auto' leaves it in a compiled model).
+- wide_attention: `bench_attention.py` at head_dim 256 (Gemma's), 32K, GQA 16/2, ~5% kept and dense: ours, ours
+  on the blocks alone (`ours_blocks`: what the columns cost there; ours was 0.31x Flex on the same blocks) and auto
+  against Flex on the same blocks (and the check that both compute the same), cuDNN and flash SDPA dense.
 
 `quick2`: wide_tiles (the tile short list at head_dim 256, 32K: `configs.WIDE_HEAD_SHORTLIST`), e2e at 128K,
 fit (sparse_cp at 512K and 1M, one step each, its peak memory beside the memory model's prediction) and layer0
@@ -88,7 +91,7 @@ KILL_GRACE_S = 10.0
 
 # The stages of each prepared call, in order of value: `quick` the figures still missing that matter most, `quick2`
 # the rest (for a second lent machine).
-CALLS = {"quick": ("tiles", "attention", "wide_tests", "wide_attention", "e2e", "compile"),
+CALLS = {"quick": ("e2e", "compile", "tiles", "attention", "wide_tests", "wide_attention"),
          "quick2": ("wide_tiles", "e2e", "fit", "layer0")}
 # Sequence length of the e2e stage's runs per call (the compile stage runs at the same length): 256K in `quick` (its
 # ratio over sdpa + liger is the missed target), 128K in `quick2` (layer0's comparison).
@@ -109,7 +112,7 @@ class QuickArguments:
     tiles_cap_s: float = field(default=70.0, metadata={"help": "Cap of the tile short list at 128K."})
     attention_cap_s: float = field(default=110.0, metadata={"help": "Cap of the attention benchmark at 128K."})
     wide_tests_cap_s: float = field(
-        default=75.0, metadata={"help": "Cap of the gpu-marked kernel tests at head_dim 160/256 and fp32."})
+        default=100.0, metadata={"help": "Cap of the gpu-marked kernel tests at head_dim 160/256 and fp32."})
     wide_attention_cap_s: float = field(default=75.0, metadata={"help": "Cap of the attention benchmark at head_dim "
                                                                 "256, 32K."})
     e2e_cap_s: float = field(default=170.0, metadata={"help": "Cap of the training steps against sdpa + liger."})
@@ -143,7 +146,8 @@ def stages(args: QuickArguments, out: Path, scratch: Path | None = None) -> list
                  "--engine_table", str(out / "engine_table.json")]
     # head_dim 256 (Gemma) on the attention stage's heads: ours against Flex on the same blocks, cuDNN and flash dense
     wide_attention = [py, "benchmarks/bench_attention.py", *sparse_attention, "--head_dim", "256",
-                      "--estimated_budgets", "", "--variants", "ours", "auto", "flex", "sdpa_cudnn", "sdpa_flash",
+                      "--estimated_budgets", "", "--variants", "ours", "ours_blocks", "auto", "flex", "sdpa_cudnn",
+                      "sdpa_flash",
                       "--output", str(out / WIDE_ATTENTION), "--engine_table", str(scratch / "engine_table-d256.json")]
     # (-v: the log names each outcome as it comes, for a run its cap cuts before pytest writes the report)
     wide_tests = [py, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", "tests/kernels/test_kernels_gpu.py",
