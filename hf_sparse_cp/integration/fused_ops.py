@@ -14,9 +14,9 @@ loss to the lean loss:
   takes a bias; liger's own forward divides its sum the same way when given that count but falls back to a
   per-rank mean without it, and replaces `forward` on the instance, which would hide the lean loss.
   CUDA only (Triton kernels that Triton's interpreter does not run). Not what 'auto' picks for a model compiled
-  whole (a Trainer's --torch_compile): inductor fuses that work there, and liger's RoPE writes q and k in place,
-  its SwiGLU backward its saved inputs, its RMSNorm backward the incoming gradient, all from raw Triton kernels
-  that dynamo puts into the graphs for inductor to functionalize.
+  whole (a Trainer's --torch_compile, or accelerate's dynamo backend): inductor fuses that work there, and liger's
+  RoPE writes q and k in place, its SwiGLU backward its saved inputs, its RMSNorm backward the incoming gradient,
+  all from raw Triton kernels that dynamo puts into the graphs for inductor to functionalize.
 * 'compile': every decoder layer's MLP and RMSNorms and the final norm (the modules token tiles take,
   `memory_savers.rowwise_modules`) run through `torch.compile` (one compiled function per class, dynamic
   shapes: token tiles and sequence lengths vary), on any device inductor supports.
@@ -55,8 +55,9 @@ def is_liger_available() -> bool:
 def resolve_fused_ops(setting: str, on_cuda: bool, compiled: bool = False) -> str:
     """'liger', 'compile' or 'off' for `setting` (`--sparse_fused_ops`): 'auto' is liger-kernel's kernels when
     training on CUDA with liger-kernel installed, else 'off'; 'off' too for a model compiled whole (`compiled`: a
-    Trainer's --torch_compile), whose inductor fuses that work itself, while liger-kernel's autograd Functions
-    write into their inputs and saved tensors from raw Triton kernels that inductor would have to functionalize.
+    Trainer's --torch_compile or accelerate's dynamo backend), whose inductor fuses that work itself, while
+    liger-kernel's autograd Functions write into their inputs and saved tensors from raw Triton kernels that inductor
+    would have to functionalize.
     An explicit 'liger' stays 'liger'. Raises ValueError, naming the fix, for a setting that cannot run here."""
     if setting not in FUSED_OPS:
         raise ValueError(f"--sparse_fused_ops {setting!r} is unknown; use one of {FUSED_OPS}.")
@@ -166,11 +167,11 @@ def fused_modules(model: torch.nn.Module) -> dict[str, int]:
 
 def describe_fused_ops(model: torch.nn.Module, compiled: bool = False) -> str:
     """One line for the start-up message: what runs fused around attention, or that nothing does (`compiled`: the
-    model is compiled whole, so inductor fuses what nothing else does)."""
+    model is compiled whole, so its backend, inductor by default, fuses what nothing else does)."""
     found = fused_modules(model)
     if not found and compiled:
-        return ("fused ops: by torch.compile's inductor in the model compiled whole (--torch_compile; "
-                "liger-kernel's kernels left out)")
+        return ("fused ops: left to torch.compile in the model compiled whole (--torch_compile or accelerate's dynamo "
+                "backend; liger-kernel's kernels left out)")
     if not found:
         return "fused ops: off (stock PyTorch around attention)"
     if "compiled" in found:

@@ -91,8 +91,8 @@ class SparseCPArguments(KnownKeywords):
                   "liger-kernel's kernels (CUDA; what --use_liger_kernel asks, with the loss left to "
                   "--sparse_fused_loss), 'compile' torch.compile on the MLPs and RMSNorms, 'off' stock PyTorch; "
                   "'auto' is 'liger' on CUDA when liger-kernel is installed (pip install 'hf-sparse-cp[liger]'), "
-                  "else 'off', and 'off' under --torch_compile, whose inductor fuses that work in the model it "
-                  "compiles whole. The start-up line says what runs."},
+                  "else 'off', and 'off' under --torch_compile (or accelerate's dynamo backend), whose inductor fuses "
+                  "that work in the model it compiles whole. The start-up line says what runs."},
     )
     sparse_gradient_checkpointing_min_length: int = field(
         default=16384,

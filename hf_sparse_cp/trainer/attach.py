@@ -195,7 +195,7 @@ def fused_ops_choice(model: torch.nn.Module, sparse_args: SparseCPArguments,
 def training_fused_ops(setting: str, training_args: TrainingArguments) -> str:
     """'liger', 'compile' or 'off' for `--sparse_fused_ops setting` in a Trainer of `training_args`: the
     Trainer's `--use_liger_kernel` asks for liger-kernel's kernels (with 'auto', or 'liger'); on CUDA when the
-    Trainer trains there; 'auto' leaves a model the Trainer compiles whole (`--torch_compile`) to inductor. Raises
+    Trainer trains there; 'auto' leaves a model the Trainer compiles whole (`compiles_whole`) to torch.compile. Raises
     ValueError, naming the fix, for what this machine cannot run (also checked as the plugin's arguments parse,
     before a script builds its data)."""
     if getattr(training_args, "use_liger_kernel", False):
@@ -204,7 +204,16 @@ def training_fused_ops(setting: str, training_args: TrainingArguments) -> str:
                              "for something else; drop one of the two.")
         setting = "liger"
     return resolve_fused_ops(setting, torch.cuda.is_available() and not training_args.use_cpu,
-                             compiled=bool(getattr(training_args, "torch_compile", False)))
+                             compiled=compiles_whole(training_args))
+
+
+def compiles_whole(training_args: TrainingArguments) -> bool:
+    """Whether a Trainer of `training_args` compiles the model whole: `--torch_compile`, or without it accelerate's
+    dynamo backend (`accelerate launch --dynamo_backend`, a config file's `dynamo_config`), which the Trainer's
+    TorchDynamoPlugin then reads from $ACCELERATE_DYNAMO_BACKEND."""
+    if getattr(training_args, "torch_compile", False):
+        return True
+    return os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() != "no"
 
 
 def _set_attn_implementation(model: torch.nn.Module, implementation: str | dict) -> None:
@@ -445,7 +454,7 @@ def attach_to_trainer(
         else:
             how = "off"
         layers, note = describe_layers(trainer.model, max_length)
-        fused = describe_fused_ops(trainer.model, compiled=bool(trainer.args.torch_compile))
+        fused = describe_fused_ops(trainer.model, compiled=compiles_whole(trainer.args))
         logger.warning("%s; %s; context parallelism: %s.%s", layers, fused, how, note)
     return parallel
 

@@ -91,8 +91,9 @@ def test_the_start_up_line_says_which_layers_are_sparse_and_warns_when_none_is(t
             "context parallelism: off" in _start_up_line(caplog, tmp_path, *PATTERN, "--sparse_dense_first_layers",
                                                           "0"))
     # --torch_compile: inductor fuses the work around attention in the model the Trainer compiles whole
-    assert ("fused ops: by torch.compile's inductor in the model compiled whole (--torch_compile; liger-kernel's "
-            "kernels left out)" in _start_up_line(caplog, tmp_path, *PATTERN, "--torch_compile"))
+    assert ("fused ops: left to torch.compile in the model compiled whole (--torch_compile or accelerate's dynamo "
+            "backend; liger-kernel's kernels left out)"
+            in _start_up_line(caplog, tmp_path, *PATTERN, "--torch_compile"))
     text = _start_up_line(caplog, tmp_path, "--sparse_dense_first_layers", "1", "--sparse_min_seq_len", "8192")
     assert "layer 0 dense (pattern)" in text
     # the note ends the line, after what the line says of the layers, the fused ops and CP

@@ -76,8 +76,14 @@ def test_auto_leaves_a_model_compiled_whole_to_inductor_and_keeps_an_explicit_li
     assert resolve_fused_ops("liger", on_cuda=True, compiled=True) == "liger"
     assert resolve_fused_ops("compile", on_cuda=True, compiled=True) == "compile"
     assert [training_fused_ops("auto", args) for args in (eager, compiled, liger)] == ["liger", "off", "liger"]
+    # accelerate's dynamo backend (`accelerate launch --dynamo_backend inductor`) compiles the model whole without
+    # --torch_compile: the Trainer's TorchDynamoPlugin reads it from the environment
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
+    assert [training_fused_ops("auto", args) for args in (eager, liger)] == ["off", "liger"]
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
+    assert training_fused_ops("auto", eager) == "liger"
     model = _model()
-    assert describe_fused_ops(model, compiled=True).startswith("fused ops: by torch.compile's inductor")
+    assert describe_fused_ops(model, compiled=True).startswith("fused ops: left to torch.compile")
     assert describe_fused_ops(model) == "fused ops: off (stock PyTorch around attention)"
 
 
