@@ -23,18 +23,19 @@ default ('auto': liger-kernel's RoPE, RMSNorm and SwiGLU kernels on CUDA where l
 baseline's fused kernels outside attention and ours for attention), `sparse_cp+compile` the MLPs and RMSNorms
 through torch.compile, `sparse_cp+unfused` stock PyTorch around attention, `sparse_cp+liger` liger-kernel's kernels
 even in a compiled model (`--sparse_fused_ops liger`); each row records what ran (`fused_ops`) and the engines its
-attention calls ran on, each with why (`attention_engines`: with 'auto' on CUDA the engine table,
+attention calls ran on, each with the reasons why (`attention_engines`: with 'auto' on CUDA the engine table,
 `$HF_SPARSE_CP_ENGINE_TABLE`, decides between our kernels and Flex for a layer without columns, the dense first
-layer's). `--torch_compile` compiles the whole model of every run as a stock script's --torch_compile does (the
-sparse attention calls inside its graphs as the plugin's custom ops, or outside them with `--traced_attention
-outside`: one graph break per layer, as before the ops); the warm-up steps' times (`warmup_times_s`) then include the
-compilation, and `sparse_cp`'s 'auto' leaves the work around attention to inductor, as the plugin does under a
-Trainer's --torch_compile. The lean loss takes liger-kernel's fused linear cross-entropy when it is installed (in a
-compiled model outside the graphs, one break). MLPs and RMSNorms run in token tiles from `--token_tiling_min_length`
-(32K; the plugin's `--sparse_token_tiling_min_length`) on, saved layer inputs in host memory with
-`--offload_layer_inputs`. Each sparse row also carries the memory model's prediction of its peak
-(`predicted_peak_gib`, `hf_sparse_cp.simulator.memory_model`, what `hf-sparse-cp memory` computes) beside the
-measured one. `python benchmarks/memory_model.py --start_length 0.5b` prints the longest S predicted to fit this GPU.
+layer's, where it has rows of that layer's head_dim). `--torch_compile` compiles the whole model of every run as a
+stock script's --torch_compile does (the sparse attention calls inside its graphs as the plugin's custom ops, or
+outside them with `--traced_attention outside`: one graph break per layer, as before the ops); the warm-up steps'
+times (`warmup_times_s`) then include the compilation, and `sparse_cp`'s 'auto' leaves the work around attention to
+inductor, as the plugin does under a Trainer's --torch_compile. The lean loss takes liger-kernel's fused linear
+cross-entropy when it is installed (in a compiled model outside the graphs, one break). MLPs and RMSNorms run in
+token tiles from `--token_tiling_min_length` (32K; the plugin's `--sparse_token_tiling_min_length`) on, saved layer
+inputs in host memory with `--offload_layer_inputs`. Each sparse row also carries the memory model's prediction of
+its peak (`predicted_peak_gib`, `hf_sparse_cp.simulator.memory_model`, what `hf-sparse-cp memory` computes) beside
+the measured one. `python benchmarks/memory_model.py --start_length 0.5b` prints the longest S predicted to fit this
+GPU.
 
 The `sparse_cp` pattern budget: by default (`--kept_fraction 0.05`) vertical_topk and slash_topk are
 derived per S so that about 5% of the causal blocks are kept when the picks land at random places,
@@ -312,16 +313,17 @@ def _peak_gib(device) -> dict:
 
 
 class _EngineChoices(logging.Handler):
-    """The attention engines a run's calls resolved to, each with why: `engines.resolve_engine` logs every choice
-    once per process ("Block-sparse attention engine: %s (%s).", engine and reason), and each run is a process."""
+    """The attention engines a run's calls resolved to, each with every reason it was chosen for (the vertical-slash
+    layers' and a dense layer's differ): `engines.resolve_engine` logs every choice once per process
+    ("Block-sparse attention engine: %s (%s).", engine and reason), and each run is a process."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
-        self.chosen: dict[str, str] = {}
+        self.chosen: dict[str, list[str]] = {}
 
     def emit(self, record: logging.LogRecord) -> None:
         engine, why = record.args
-        self.chosen.setdefault(engine, why)
+        self.chosen.setdefault(engine, []).append(why)
 
     @classmethod
     def attach(cls) -> _EngineChoices:

@@ -61,7 +61,8 @@ def test_tiny_run_writes_a_complete_report(tmp_path, bench):
         assert sparse["predicted_peak_gib"] > 0
         # the engine 'auto' gave its attention calls, with why (on a GPU the engine table decides a dense layer's)
         assert set(sparse["attention_engines"]) == {"reference"}
-        assert sparse["attention_engines"]["reference"].startswith("auto; triton declined: cpu tensors")
+        (why,) = sparse["attention_engines"]["reference"]
+        assert why.startswith("auto; triton declined: cpu tensors")
         # Same init and tokens: before any update the two variants see the same model.
         assert abs(sparse["losses"][0] - rows["sdpa", seq_len]["losses"][0]) < 0.05
     assert rows["sparse_cp", 2048]["kept_fraction"] < 1  # the tiny pattern is really sparse
@@ -215,3 +216,19 @@ def test_fit_search_follows_every_headline_run_and_reports_the_longest_fit(tmp_p
     assert json.loads(out.read_text())["command"][-1] == str(out)
     with pytest.raises(ValueError, match="fit_max_seq"):
         bench.parse_args(["--tiny", "--max_seq", "4096", "--fit_max_seq", "4096"])
+
+
+def test_a_runs_attention_engines_keep_every_reason_each_was_chosen_for(bench):
+    """An engine chosen for two reasons (the kernels for the vertical-slash layers, and by the engine table or its
+    default for the dense first layer) records both: the dense layer's is what the row is read for."""
+    from hf_sparse_cp.attention import engines
+
+    level = engines.logger.level
+    handler = bench._EngineChoices.attach()
+    try:
+        for engine, why in (("triton", "auto: columns"), ("triton", "auto: the table"), ("flex", "auto: the table")):
+            engines.logger.info("Block-sparse attention engine: %s (%s).", engine, why)
+    finally:
+        engines.logger.removeHandler(handler)
+        engines.logger.setLevel(level)
+    assert handler.chosen == {"triton": ["auto: columns", "auto: the table"], "flex": ["auto: the table"]}
