@@ -11,8 +11,9 @@ the compiled one first: the H200 call of 2026-12-04 measured the kernels' stages
 - e2e: `bench_e2e.py`, a Qwen2.5-0.5B-shaped training step (random init, bf16, lean loss, gradient
   checkpointing) at 256K: `sparse_cp` as the plugin runs by default (liger-kernel's RoPE, RMSNorm and SwiGLU
   where its wheel was carried in .whl/) against sdpa + liger-kernel (all of liger's kernels), one warm-up and
-  one timed step each; sparse_cp's 'auto' engine reads an attention stage's table where an earlier stage wrote
-  one (quick2; its rows of head_dim 128 do not decide for the model's head_dim 64);
+  one timed step each; sparse_cp's 'auto' engine reads the output folder's engine table where one exists as the
+  stage starts (neither call's attention stage runs before it: only an earlier call's in the same folder; its rows of
+  head_dim 128 do not decide for the model's head_dim 64);
 - compile: the same sparse_cp step with the whole model compiled as a stock script's `--torch_compile` has the
   Trainer do (`bench_e2e.py --torch_compile`), one warm-up (the compilation) and one timed step, against e2e's
   (the work around attention fused by inductor there, as the plugin's 'auto' leaves it in a compiled model);
@@ -129,7 +130,7 @@ class Stage:
     command: list[str]
     outputs: list[str]  # the JSON files it writes, in the output folder
     env: dict[str, str] = field(default_factory=dict)
-    # variables naming a file, set only when the file exists as the stage starts (an earlier stage wrote it)
+    # variables naming a file, set only when the file exists as the stage starts (an earlier stage, or call, wrote it)
     env_files: dict[str, str] = field(default_factory=dict)
 
 

@@ -150,7 +150,8 @@ class SparseAttentionConfig(FileConfig):
                   "(PyTorch, any device: dense arithmetic with the layout as a mask, no work saved; faster than the "
                   "reference on a CPU at a few thousand tokens; named only) or 'auto': on CUDA the kernels for "
                   "layouts with key columns (vertical-slash), and for those without the faster of the kernels and "
-                  "Flex from the timing table $HF_SPARSE_CP_ENGINE_TABLE names (the kernels without one; Flex where "
+                  "Flex from the timing table $HF_SPARSE_CP_ENGINE_TABLE names (the kernels without one or without "
+                  "a row of the call's head_dim; Flex where "
                   "Triton is not installed); the reference elsewhere. $HF_SPARSE_CP_ATTENTION_ENGINE replaces "
                   "'auto'. Dense calls go to flash-attn where installed, else to SDPA for plain causal rows "
                   "($HF_SPARSE_CP_DENSE_BACKEND)."},
