@@ -823,23 +823,38 @@ def issue_targets(rows: list[dict], estimation: list[dict], seq_len: int = 13107
     five, ten = density_name(0.05), density_name(0.10)
     at = f"{seq_len // 1024}K"
     ours5 = ok.get((seq_len, five, "ours"))
+    # The fastest rate any kernel of the run reached on the dense problem (cuDNN's, as measured so far): a target's
+    # `ceiling` is its value had ours computed each of its pairs at that rate, and a bound above it asks more of the
+    # sparse kernel than the best dense kernel does (on a GPU where that is not measured, no ceiling).
+    dense_best = max((r["fwd_bwd_tflops"] for (s, layout, _), r in ok.items()
+                      if s == seq_len and layout == "dense" and r.get("fwd_bwd_tflops")), default=None)
+
+    def ceiling(layout: str, value: float | None, rate: bool = False) -> float | None:
+        ours = ok.get((seq_len, layout, "ours"))
+        if value is None or dense_best is None or not (ours and ours.get("fwd_bwd_tflops")):
+            return None
+        return dense_best if rate else value * dense_best / ours["fwd_bwd_tflops"]
+
+    flex5, flash5, flex10 = ratio(five, (five, "flex")), ratio(five, (five, "flex_flash")), ratio(ten, (ten, "flex"))
+    cudnn5, dense = ratio(five, ("dense", "sdpa_cudnn")), ratio("dense", ("dense", "flex"))
+    rate5 = ours5["fwd_bwd_tflops"] if ours5 else None
     targets = [
         (f"{at} {five}: fwd+bwd speed-up over FlexAttention on a BlockMask of the same blocks (compiled, Triton "
-         "backend; our columns left out for it)", ratio(five, (five, "flex")), ">=", 1.7),
+         "backend; our columns left out for it)", flex5, ">=", 1.7, ceiling(five, flex5)),
         (f"{at} {five}: fwd+bwd speed-up over FlexAttention's flash backend on the same BlockMask",
-         ratio(five, (five, "flex_flash")), ">=", 1.7),
-        (f"{at} {five}: fwd+bwd speed-up over dense SDPA cuDNN", ratio(five, ("dense", "sdpa_cudnn")), ">=", 12.5),
-        (f"{at} {five}: our fwd+bwd TFLOP/s on the computed pairs", ours5["fwd_bwd_tflops"] if ours5 else None, ">=",
-         350.0),
-        (f"{at} {ten}: fwd+bwd speed-up over FlexAttention, same blocks", ratio(ten, (ten, "flex")), ">=", 1.3),
-        (f"{at} dense: fwd+bwd speed relative to FlexAttention dense", ratio("dense", ("dense", "flex")), ">=",
-         1 / 1.25),
+         flash5, ">=", 1.7, ceiling(five, flash5)),
+        (f"{at} {five}: fwd+bwd speed-up over dense SDPA cuDNN", cudnn5, ">=", 12.5, ceiling(five, cudnn5)),
+        (f"{at} {five}: our fwd+bwd TFLOP/s on the computed pairs", rate5, ">=", 350.0, ceiling(five, rate5, True)),
+        (f"{at} {ten}: fwd+bwd speed-up over FlexAttention, same blocks", flex10, ">=", 1.3, ceiling(ten, flex10)),
+        (f"{at} dense: fwd+bwd speed relative to FlexAttention dense", dense, ">=", 1 / 1.25,
+         ceiling("dense", dense)),
         (f"{at} estimation + layout build, share of our fwd+bwd (worst estimated layout)",
-         max(shares, default=None), "<", 0.10),
+         max(shares, default=None), "<", 0.10, None),
     ]
     return [{"seq_len": seq_len, "target": name, "required": f"{op} {bound:.3g}", "measured": value,
-             "pass": None if value is None else (value >= bound if op == ">=" else value < bound)}
-            for name, value, op, bound in targets]
+             "pass": None if value is None else (value >= bound if op == ">=" else value < bound),
+             "ceiling": top, "reachable": None if top is None else top >= bound}
+            for name, value, op, bound, top in targets]
 
 
 def engine_targets(rows: list[dict], seq_len: int = 131072) -> list[dict]:

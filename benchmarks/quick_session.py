@@ -466,11 +466,9 @@ def format_summary(report: dict) -> str:
         for kernel, best in best_tiles.items():
             lines.append(f"  tiles d{d} {kernel}: best {best['tiles']} {best.get('ms')} ms (launched: "
                          f"{best['current']})")
-    for t in h["verdicts"]:
-        verdict = "not measured" if t["pass"] is None else ("PASS" if t["pass"] else "MISS")
-        value = "" if t["measured"] is None else f"{t['measured']:.3f} " if isinstance(t["measured"], float) else \
-            f"{t['measured']} "
-        lines.append(f"  target {t['target']}: {value}(required {t['required']}) {verdict}")
+    from hf_sparse_cp.testing.benchmarking import format_targets
+
+    lines += [f"  target {line}" for line in format_targets(h["verdicts"]).splitlines()]
     return "\n".join(lines)
 
 

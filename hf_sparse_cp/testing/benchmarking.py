@@ -43,14 +43,17 @@ def spawned_allocator(kind: str) -> Iterator[str | None]:
 def format_targets(targets: list[dict]) -> str:
     """One line per target of a report ({target, required, measured, pass}): the measured value and
     PASS, MISS or "not measured" (pass None: the run did not measure it; with a measured value, a figure
-    reported for reference, no target), or the target's own `verdict` where it has one (INCONCLUSIVE)."""
+    reported for reference, no target), or the target's own `verdict` where it has one (INCONCLUSIVE), and its
+    `ceiling` where it has one (with "unreachable" where the required bound is above it)."""
     lines = []
     for t in targets:
         verdict = t.get("verdict") or (("not measured" if t["measured"] is None else "for reference")
                                        if t["pass"] is None else ("PASS" if t["pass"] else "MISS"))
         value = t["measured"]
         shown = "" if value is None else (f"{value:.3f} " if isinstance(value, float) else f"{value} ")
-        lines.append(f"{t['target']}: {shown}(required {t['required']}) {verdict}")
+        top = t.get("ceiling")  # (bench_attention's: the value at the best dense kernel's rate)
+        bound = "" if top is None else f" (at the best dense rate {top:.3g}{'' if t['reachable'] else ': unreachable'})"
+        lines.append(f"{t['target']}: {shown}(required {t['required']}) {verdict}{bound}")
     return "\n".join(lines)
 
 
