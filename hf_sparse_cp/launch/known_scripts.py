@@ -14,6 +14,7 @@ import ast
 import importlib
 import importlib.machinery
 import importlib.util
+import re
 from collections.abc import Sequence
 from types import SimpleNamespace
 
@@ -73,6 +74,14 @@ def _tree(target: str, is_module: bool) -> ast.Module | None:
         return ast.parse(source) if source is not None else None
     except (SyntaxError, ValueError):
         return None
+
+
+def source_words(target: str, is_module: bool) -> set[str] | None:
+    """The words of the script's source (a path, or a module's name), dashes read as underscores and without leading
+    ones: `--cp-note` in an `add_argument` and a dataclass field `cp_note` both give `cp_note`, so the flags the script
+    declares there are among them. None without a source."""
+    source = _source(target, is_module)
+    return None if source is None else {word.lstrip("_") for word in re.findall(r"\w+", source.replace("-", "_"))}
 
 
 def trl_trainers(target: str, is_module: bool) -> list[type] | None:
