@@ -142,9 +142,9 @@ def mistyped_plugin_flags(args: Sequence[str], target: str, is_module: bool) -> 
     read as mistyped plugin flags: of the plugin's first words (`--sparse_*`, `--cp_*`, `--smet*`; dashes read as
     underscores) and close to one of its flags (`did_you_mean`), yet no flag that the script's parser, extended with
     the plugin's, takes as far as the launcher can know: no plugin flag nor the start of one (argparse's
-    abbreviation), nor the start of a word of the script's source (a flag of its own, declared there; no field of
-    transformers' `TrainingArguments` or TRL's configs has the plugin's first words). [] without the script's source:
-    its parser alone knows its flags."""
+    abbreviation), nor the start of a word of the script's source or of its folder's other modules (`source_words`:
+    a flag of its own, declared there; no field of transformers' `TrainingArguments` or TRL's configs has the
+    plugin's first words). [] without the script's source: its parser alone knows its flags."""
     parser = _SplitParser()
     known = {option[2:].replace("-", "_") for action in parser._actions for option in action.option_strings}
     first_words = {field.name.partition("_")[0] for field in dataclasses.fields(PluginArguments) if field.init}

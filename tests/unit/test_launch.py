@@ -808,7 +808,10 @@ def test_a_mistyped_plugin_flag_after_the_script_path_is_refused_before_the_proc
         assert cli.main(["launch", "--nproc", "2", "train.py", *flags]) == 0, flags
     if script == "own_parser":
         assert cli.main(["launch", "--nproc", "2", "train.py", "--cp_sizes", "2", "--sparse_block_sizes", "8"]) == 0
-    assert len(started) == 5 + (script == "own_parser")
+    # a flag declared in a module of the script's folder (its argument classes imported by name), not in the script
+    (tmp_path / "my_args.py").write_text("@dataclass\nclass DataArguments:\n    cp_sizee: int = 1\n")
+    assert cli.main(["launch", "--nproc", "2", "train.py", "--cp_sizee", "2"]) == 0
+    assert len(started) == 6 + (script == "own_parser")
 
 SETUP_SCRIPT = textwrap.dedent("""
     import sys
