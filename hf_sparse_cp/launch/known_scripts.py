@@ -14,6 +14,8 @@ import ast
 import importlib
 import importlib.machinery
 import importlib.util
+import pathlib
+import re
 from collections.abc import Sequence
 from types import SimpleNamespace
 
@@ -47,9 +49,9 @@ def module_found(name: str) -> bool:
         return False
 
 
-def _source(target: str, is_module: bool) -> str | None:
-    """The source of the script `target` (a path, or with `is_module` a module's name: for a package, its
-    `__main__`, which `-m` runs); None without one."""
+def _path(target: str, is_module: bool) -> str | None:
+    """The file of the script `target` (a path, or with `is_module` a module's name: for a package, its `__main__`,
+    which `-m` runs); None without a source file."""
     try:
         if is_module:
             spec = _spec(target)
@@ -58,12 +60,23 @@ def _source(target: str, is_module: bool) -> str | None:
             path = spec.origin if spec is not None else None
         else:
             path = target
-        if not path or path.endswith(".pyc"):
-            return None
+    except (ImportError, ValueError):
+        return None
+    return None if not path or path.endswith(".pyc") else path
+
+
+def _read(path: str) -> str | None:
+    try:
         with open(path, encoding="utf-8") as file:
             return file.read()
-    except (ImportError, OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError):
         return None
+
+
+def _source(target: str, is_module: bool) -> str | None:
+    """The source of the script `target` (`_path`); None without one."""
+    path = _path(target, is_module)
+    return None if path is None else _read(path)
 
 
 def _tree(target: str, is_module: bool) -> ast.Module | None:
@@ -73,6 +86,21 @@ def _tree(target: str, is_module: bool) -> ast.Module | None:
         return ast.parse(source) if source is not None else None
     except (SyntaxError, ValueError):
         return None
+
+
+def source_words(target: str, is_module: bool) -> set[str] | None:
+    """The words of the script's source (a path, or a module's name) and of the other Python files of its folder (the
+    modules it imports by name, where its argument classes may be declared), dashes read as underscores and without
+    leading ones: `--cp-note` in an `add_argument` and a dataclass field `cp_note` both give `cp_note`, so the flags
+    the script declares there are among them. None without the script's source."""
+    path = _path(target, is_module)
+    source = None if path is None else _read(path)
+    if source is None:
+        return None
+    folder = pathlib.Path(path).resolve().parent
+    sources = [source] + [_read(str(other)) or "" for other in sorted(folder.glob("*.py"))
+                          if other.resolve() != pathlib.Path(path).resolve()]
+    return {word.lstrip("_") for text in sources for word in re.findall(r"\w+", text.replace("-", "_"))}
 
 
 def trl_trainers(target: str, is_module: bool) -> list[type] | None:

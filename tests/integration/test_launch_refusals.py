@@ -83,6 +83,35 @@ def test_a_mistyped_plugin_flag_ends_the_launched_run_before_any_process_group_o
     assert "Traceback" not in done.stderr + done.stdout, done.stderr[-6000:]
 
 
+
+OWN_PARSER_SCRIPT = textwrap.dedent("""
+    import argparse
+    from transformers import Trainer, TrainingArguments
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output_dir")
+    print(parser.parse_args())
+""")
+
+
+@pytest.mark.parametrize("script, flag, close", [("stock", "--sparse_max_lenght", "--sparse_max_length"),
+                                                 ("own_parser", "--cp_sizee", "--cp_size")])
+def test_a_mistyped_plugin_flag_after_the_script_path_ends_the_launch_before_any_process_starts(
+        tmp_path, script, flag, close):
+    """Every process started and its parser refused the flag: a stock script's once (through the launcher's folder),
+    a script's own argparse once per process without naming the close flag; torchrun's SIGTERM line came last. The
+    launcher refuses it once, naming the close flag, before any process starts."""
+    (tmp_path / "started").mkdir()
+    marker = "import os; open(os.path.join('started', os.environ.get('RANK', '0')), 'w').close()\n"
+    (tmp_path / "train.py").write_text(marker + (SCRIPT if script == "stock" else OWN_PARSER_SCRIPT))
+    done = launch_cli(["launch", "--nproc", "2", "train.py", "--output_dir", "out", flag, "2"], cwd=tmp_path,
+                      env={"HF_HUB_OFFLINE": "1", "REFUSAL_CASE": "none"})
+    assert done.returncode == 2, done.stderr[-6000:]
+    assert done.stderr.count(f"did you mean {close} for {flag}?") == 1, done.stderr[-6000:]
+    assert done.stderr.endswith(f"hf-sparse-cp launch: error: {flag} after the script's path is not a plugin flag, nor "
+                                f"one that train.py declares; did you mean {close} for {flag}?\n"), done.stderr[-6000:]
+    assert not list((tmp_path / "started").iterdir()) and "Traceback" not in done.stderr, done.stderr[-6000:]
+
 def test_a_bug_in_a_launched_script_keeps_its_traceback_and_the_launchers_report(tmp_path):
     done = _launch(tmp_path, "bug")
     assert done.returncode == 1, done.stderr[-6000:]

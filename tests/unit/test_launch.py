@@ -761,11 +761,57 @@ def test_the_launcher_refuses_what_every_launched_process_would_before_starting_
         assert cli.main(["launch", "--nproc", "2", script, "--config", "recipe.yaml"]) == 0
     assert cli.main(["launch", "--nproc", "2", "train.py", "--cp_size", "2", "--cp_size_of_mine", "3"]) == 0
     assert cli.main(["launch", "--nproc", "2", "train.py", "--cp_size", "abc"]) == 0
-    # (a script's own flag that a flag of ours starts with, or that starts one of ours, is the script's)
-    assert cli.main(["launch", "--nproc", "2", "train.py", "--sparse", "256", "--sparse_estimation_chunks", "8"]) == 0
+    # (a script's own flag that a flag of ours starts with, or that starts one of ours, is the script's: declared in
+    # its source, where a flag close to one of ours that it does not declare is refused as mistyped)
+    (tmp_path / "own_flags.py").write_text('parser.add_argument("--sparse")\nparser.add_argument("--sparse_estimation_'
+                                           'chunks")\n')
+    assert cli.main(["launch", "--nproc", "2", "own_flags.py", "--sparse", "256", "--sparse_estimation_chunks",
+                     "8"]) == 0
     assert cli.main(["train", "--nproc", "2", "--cp_size", "2", "--max_steps", "1"]) == 0
     assert len(started) == 6
 
+
+
+@pytest.mark.parametrize("script", ["stock", "own_parser"])
+def test_a_mistyped_plugin_flag_after_the_script_path_is_refused_before_the_processes_start(
+        started, monkeypatch, tmp_path, capsys, script):
+    """`--cp_sizee 2` after the script's path started every process, whose parser refused it (a script's own argparse
+    once per process, without naming --cp_size), then torchrun's SIGTERM line ended the output. A flag of the plugin's
+    first words that is close to one of its flags, and that neither the plugin nor the script's source declares, is
+    refused once, naming the close flag, before any process starts."""
+    from hf_sparse_cp import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    (tmp_path / "train.py").write_text(
+        "(args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()" if script == "stock" else
+        'parser = argparse.ArgumentParser()\nparser.add_argument("--cp-sizes")\n'
+        'parser.add_argument("--sparse_block_sizes")')
+    for flags, named in ((["--cp_sizee", "2"], "--cp_sizee after the script's path is not a plugin flag, nor one that "
+                          "train.py declares; did you mean --cp_size for --cp_sizee?"),
+                         (["--sparse-max-lenght=300", "--smet_block_sizes", "8"], "--sparse-max-lenght, "
+                          "--smet_block_sizes after the script's path are not plugin flags, nor ones that train.py "
+                          "declares; did you mean --sparse_max_length for --sparse-max-lenght, --smet_block_size for "
+                          "--smet_block_sizes?")):
+        with pytest.raises(SystemExit) as refused:
+            cli.main(["launch", "--nproc", "2", "train.py", "--output_dir", "out", *flags])
+        assert refused.value.code == 2 and not started
+        err = capsys.readouterr().err
+        assert err.count(named) == 1 and err.endswith(f"hf-sparse-cp launch: error: {named}\n"), err
+    with pytest.raises(SystemExit) as refused:  # (run in this process, or by `python -m hf_sparse_cp.run`: the same)
+        run(["train.py", "--cp_sizee", "2"])
+    assert refused.value.code == 2 and "did you mean --cp_size for --cp_sizee?" in capsys.readouterr().err
+    # left to the script's parser: a plugin flag or an abbreviation of one, a flag not close to one, a flag the script
+    # declares (`--cp-sizes`), one after `--`
+    for flags in (["--cp_size", "2"], ["--cp_siz", "2"], ["--cp_my_own", "1"], ["--sparsity", "1"],
+                  ["--", "--cp_sizee"]):
+        assert cli.main(["launch", "--nproc", "2", "train.py", *flags]) == 0, flags
+    if script == "own_parser":
+        assert cli.main(["launch", "--nproc", "2", "train.py", "--cp_sizes", "2", "--sparse_block_sizes", "8"]) == 0
+    # a flag declared in a module of the script's folder (its argument classes imported by name), not in the script
+    (tmp_path / "my_args.py").write_text("@dataclass\nclass DataArguments:\n    cp_sizee: int = 1\n")
+    assert cli.main(["launch", "--nproc", "2", "train.py", "--cp_sizee", "2"]) == 0
+    assert len(started) == 6 + (script == "own_parser")
 
 SETUP_SCRIPT = textwrap.dedent("""
     import sys
