@@ -39,9 +39,11 @@ the compiled one first: the H200 call of 2026-12-04 measured the kernels' stages
   against Flex on the same blocks (and the check that both compute the same), cuDNN and flash SDPA dense.
 
 `quick2`: wide_tiles (the tile short list at head_dim 256, 32K: `configs.WIDE_HEAD_SHORTLIST`), e2e at 128K,
-fit (sparse_cp at 512K and 1M, one step each, its peak memory beside the memory model's prediction) and layer0
+fit (sparse_cp at 512K and 1M, one step each, its peak memory beside the memory model's prediction), layer0
 (sparse_cp at 128K with the first layer sparse, `--sparse_dense_first_layers 0`, against e2e's 128K run with it
-dense, the default: what the dense first layer costs).
+dense, the default: what the dense first layer costs) and untiled (sparse_cp at 128K without token tiles,
+`--token_tiling_min_length 0`, against e2e's run with them, the default from 32K: what their extra MLP forward costs
+in time and saves in memory, never measured on a GPU).
 
 The caps add up to more than the budget on purpose; benchmarks/results/README.md estimates each stage's time
 from the earlier GPU sessions' JSON. A stage the deadline skips is rerun in a call of its own
@@ -52,7 +54,7 @@ back from a GPU call), in `$OUT` or `--out`, else benchmarks/results/: `<call>-s
 the command, settings, each stage's status, cap, time and outputs, the headline figures and verdicts),
 `<call>.log` (every stage's output), and the stages' JSON: `quick` attention.json, engine_table.json,
 attention-d256.json, e2e.json, e2e-compile.json, tiles.json; `quick2` tiles-d256.json, e2e.json, e2e-fit.json,
-e2e-layer0.json. `benchmarks/results/README.md` says how to read them.
+e2e-layer0.json, e2e-untiled.json. `benchmarks/results/README.md` says how to read them.
 
 `--dry-run` runs the same stages with the same JSON on the CPU at tiny sizes (our kernels in Triton's
 interpreter, the gpu-marked tests skipped), so the script cannot rot between GPU runs:
@@ -93,7 +95,7 @@ KILL_GRACE_S = 10.0
 # The stages of each prepared call, in order of value: `quick` the figures still missing that matter most, `quick2`
 # the rest (for a second lent machine).
 CALLS = {"quick": ("e2e", "compile", "tiles", "attention", "wide_tests", "wide_attention"),
-         "quick2": ("wide_tiles", "e2e", "fit", "layer0")}
+         "quick2": ("wide_tiles", "e2e", "fit", "layer0", "untiled")}
 # Sequence length of the e2e stage's runs per call (the compile stage runs at the same length): 256K in `quick` (its
 # ratio over sdpa + liger is the missed target), 128K in `quick2` (layer0's comparison).
 E2E_SEQ = {"quick": 262144, "quick2": 131072}
@@ -121,6 +123,7 @@ class QuickArguments:
     wide_tiles_cap_s: float = field(default=70.0, metadata={"help": "Cap of the tile short list at head_dim 256."})
     fit_cap_s: float = field(default=210.0, metadata={"help": "Cap of the 512K and 1M steps."})
     layer0_cap_s: float = field(default=40.0, metadata={"help": "Cap of the 128K step with the first layer sparse."})
+    untiled_cap_s: float = field(default=40.0, metadata={"help": "Cap of the 128K step without token tiles."})
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,8 @@ def stages(args: QuickArguments, out: Path, scratch: Path | None = None) -> list
     fit = ["--variants", "sparse_cp", "--warmup_steps", "0", "--output", str(out / "e2e-fit.json")]
     layer0 = ["--variants", "sparse_cp", "--sparse_dense_first_layers", "0", "--warmup_steps", "1",
               "--output", str(out / "e2e-layer0.json")]
+    untiled = ["--variants", "sparse_cp", "--token_tiling_min_length", "0", "--warmup_steps", "1",
+               "--output", str(out / "e2e-untiled.json")]
     tiles = [py, "benchmarks/tune_tiles.py", "--shortlist", "--kernels", "columns", "dq", "forward", "dkdv"]
     e2e_seq = E2E_SEQ[args.call]
     if args.dry_run:
@@ -168,12 +173,13 @@ def stages(args: QuickArguments, out: Path, scratch: Path | None = None) -> list
         attention += [*tiny, "--head_dim", "16", "--estimated_budgets", "8:2"]
         wide_attention += tiny
         e2e += ["--tiny", "--device", "cpu"]
+        headline += ["--token_tiling_min_length", "64"]  # (tiled at its tiny length as the GPU's from 32K)
         e2e_seq //= 1024
         # (first length, last length, per-run timeout in seconds) of each e2e stage
         # (short: a bf16 step on a CPU without bf16 products costs about its length; fit still past the headline;
         # the compiled step: about a minute of inductor on 2 cores)
         runs = {"headline": (e2e_seq, e2e_seq, 120), "compile": (e2e_seq, e2e_seq, 240), "fit": (512, 1024, 120),
-                "layer0": (128, 128, 120)}
+                "layer0": (128, 128, 120), "untiled": (128, 128, 120)}
         tiles += ["--dry_run", "--seq_len", "96", "--block_size", "16", "--num_q_heads", "2", "--num_kv_heads", "1",
                   "--num_verticals", "4", "--density", "0.3", "--warmup", "0", "--repeats", "1"]
         wide_tiles = [*tiles, "--head_dim", "256"]
@@ -186,7 +192,7 @@ def stages(args: QuickArguments, out: Path, scratch: Path | None = None) -> list
         # the H200's 1M step took about 135 s with its start-up (2026-11-29): the fit stage's runs get 190 s; the
         # compiled step's warm-up holds inductor's compilation (never timed on a GPU): the rest of its cap
         runs = {"headline": (e2e_seq, e2e_seq, 150), "compile": (e2e_seq, e2e_seq, int(args.compile_cap_s) - 15),
-                "fit": (524288, 1048576, 190), "layer0": (131072, 131072, 150)}
+                "fit": (524288, 1048576, 190), "layer0": (131072, 131072, 150), "untiled": (131072, 131072, 150)}
         wide_tiles = [*tiles, "--seq_len", "32768", "--head_dim", "256", "--warmup", "1", "--repeats", "3"]
         tiles += ["--seq_len", "131072", "--warmup", "1", "--repeats", "3"]
         interpreted = {}
@@ -212,6 +218,8 @@ def stages(args: QuickArguments, out: Path, scratch: Path | None = None) -> list
         "wide_tiles": Stage("wide_tiles", args.wide_tiles_cap_s, wide_tiles, ["tiles-d256.json"], interpreted),
         "fit": Stage("fit", args.fit_cap_s, run["fit"] + fit, ["e2e-fit.json"], env_files=table),
         "layer0": Stage("layer0", args.layer0_cap_s, run["layer0"] + layer0, ["e2e-layer0.json"], env_files=table),
+        "untiled": Stage("untiled", args.untiled_cap_s, run["untiled"] + untiled, ["e2e-untiled.json"],
+                         env_files=table),
     }
     return [every[name] for name in CALLS[args.call]]
 
@@ -263,15 +271,24 @@ def _step_s(report: dict, variant: str, seq_len: int) -> float | None:
                  if r["variant"] == variant and r["seq_len"] == seq_len and r["status"] == "ok"), None)
 
 
-def first_layer_cost(e2e: dict, layer0: dict) -> list[dict]:
-    """sparse_cp's step with the first layer dense (e2e.json, the default) against sparse (e2e-layer0.json) at
-    each length both ran: the dense first layer's share of the step."""
-    lengths = sorted({r["seq_len"] for r in layer0.get("results", []) if r["variant"] == "sparse_cp"})
+def _peak_gib(report: dict, variant: str, seq_len: int) -> float | None:
+    return next((r["peak_gib"] for r in report.get("results", [])
+                 if r["variant"] == variant and r["seq_len"] == seq_len and r["status"] == "ok"), None)
+
+
+def setting_cost(e2e: dict, changed: dict, default: str, other: str) -> list[dict]:
+    """sparse_cp's step as the plugin runs it by default (e2e.json) against the same step with one setting changed
+    (`changed`, a stage's e2e file) at each length both ran: both steps' time and peak (`{default}_step_s`,
+    `{other}_peak_gib`, ...) and `{default}_share`, the share of the default step that the setting costs (negative:
+    it saves time)."""
+    lengths = sorted({r["seq_len"] for r in changed.get("results", []) if r["variant"] == "sparse_cp"})
     out = []
     for seq_len in lengths:
-        dense, sparse = _step_s(e2e, "sparse_cp", seq_len), _step_s(layer0, "sparse_cp", seq_len)
-        out.append({"seq_len": seq_len, "dense_first_layer_step_s": dense, "sparse_first_layer_step_s": sparse,
-                    "dense_first_layer_share": (dense - sparse) / dense if dense and sparse else None})
+        mine, theirs = _step_s(e2e, "sparse_cp", seq_len), _step_s(changed, "sparse_cp", seq_len)
+        out.append({"seq_len": seq_len, f"{default}_step_s": mine, f"{other}_step_s": theirs,
+                    f"{default}_peak_gib": _peak_gib(e2e, "sparse_cp", seq_len),
+                    f"{other}_peak_gib": _peak_gib(changed, "sparse_cp", seq_len),
+                    f"{default}_share": (mine - theirs) / mine if mine and theirs else None})
     return out
 
 
@@ -361,13 +378,13 @@ def headline(out: Path, scratch: Path, ran: set[str] | None = None) -> dict:
     an earlier call left in the folder is read as this one's; default every stage): attention fwd+bwd ms per (S,
     layout, variant) and ours over every baseline, the columns' cost, the estimation's share, the same at head_dim
     256 with the kernel tests' outcomes, e2e tokens/s and peak memory per (variant, S) with the speed-ups, the
-    compiled step, the fit runs with their predicted peaks, the dense first layer's cost, the tiles timed best per
-    kernel (head_dim 128 and 256), and every target's verdict."""
+    compiled step, the fit runs with their predicted peaks, the dense first layer's and the token tiles' costs, the
+    tiles timed best per kernel (head_dim 128 and 256), and every target's verdict."""
     read = lambda stage, name: (_read(out / name) if ran is None or stage in ran else None) or {}
-    attention, wide, e2e, compiled, fit, layer0, tiles, wide_tiles = (read(*stage) for stage in (
+    attention, wide, e2e, compiled, fit, layer0, untiled, tiles, wide_tiles = (read(*stage) for stage in (
         ("attention", "attention.json"), ("wide_attention", WIDE_ATTENTION), ("e2e", "e2e.json"),
         ("compile", "e2e-compile.json"), ("fit", "e2e-fit.json"), ("layer0", "e2e-layer0.json"),
-        ("tiles", "tiles.json"), ("wide_tiles", "tiles-d256.json")))
+        ("untiled", "e2e-untiled.json"), ("tiles", "tiles.json"), ("wide_tiles", "tiles-d256.json")))
     tests = test_outcomes(scratch / WIDE_TESTS_XML) if ran is None or "wide_tests" in ran else None
     attention_rows = ("seq_len", "layout", "variant", "density", "status", "fwd_bwd_ms", "fwd_bwd_tflops",
                       "auto_engine")
@@ -389,7 +406,8 @@ def headline(out: Path, scratch: Path, ran: set[str] | None = None) -> dict:
         "fit": fit.get("memory_predictions", []) + [
             {k: r.get(k) for k in ("model", "variant", "seq_len", "status", "reason")}
             for r in fit.get("results", []) if r["status"] != "ok"],
-        "first_layer": first_layer_cost(e2e, layer0),
+        "first_layer": setting_cost(e2e, layer0, "dense_first_layer", "sparse_first_layer"),
+        "token_tiles": setting_cost(e2e, untiled, "tiled", "untiled"),
         "tiles_best": tiles.get("best", {}),
         "wide_tiles_best": wide_tiles.get("best", {}),
         "verdicts": verdicts(attention, e2e, fit) + (correctness_verdicts(tests, wide) if ran is None or {
@@ -462,6 +480,11 @@ def format_summary(report: dict) -> str:
     for f in h["first_layer"]:
         share = "-" if f["dense_first_layer_share"] is None else f"{100 * f['dense_first_layer_share']:.1f}%"
         lines.append(f"  dense first layer at {f['seq_len'] // 1024}K: {share} of the step")
+    for f in h.get("token_tiles", []):  # (sessions before it: none)
+        share = "-" if f["tiled_share"] is None else f"{100 * f['tiled_share']:.1f}%"
+        peaks = "-" if None in (f["tiled_peak_gib"], f["untiled_peak_gib"]) else \
+            f"{f['tiled_peak_gib']:.1f} GiB against {f['untiled_peak_gib']:.1f} without"
+        lines.append(f"  token tiles at {f['seq_len'] // 1024}K: {share} of the step, {peaks}")
     for d, best_tiles in ((128, h["tiles_best"]), (256, h.get("wide_tiles_best", {}))):
         for kernel, best in best_tiles.items():
             lines.append(f"  tiles d{d} {kernel}: best {best['tiles']} {best.get('ms')} ms (launched: "

@@ -138,7 +138,7 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(dry_runs):
     assert step["seq_len"] == 256 and step["speedup"] > 0 and step["compiled_over_liger"] is None
     assert step["loss_rel_diff"] < 1e-4  # the compiled model trains as the uncompiled one (same init and tokens)
     assert step["unique_graphs"] >= 1 and step["attention_breaks"] == 0  # (the sparse attention: custom ops)
-    assert headline["first_layer"] == [] and headline["wide_tiles_best"] == {}  # quick2's
+    assert headline["first_layer"] == headline["token_tiles"] == [] and headline["wide_tiles_best"] == {}  # quick2's
     verdicts = {t["target"]: t for t in headline["verdicts"]}
     assert len(verdicts) == len(headline["verdicts"]) and "0.5b sparse_cp trains at 1024K" in verdicts
     (kernels,) = [t for name, t in verdicts.items() if name.startswith("kernels at head_dim 160/256")]
@@ -149,13 +149,14 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(dry_runs):
 
 
 def test_the_second_call_dry_run_runs_the_rest(dry_runs):
-    """`quick2`: the head_dim-256 tile short list, the 128K step against sdpa + liger, the fit runs, layer 0 sparse."""
+    """`quick2`: the head_dim-256 tile short list, the 128K step against sdpa + liger, the fit runs, layer 0 sparse, the
+    step without token tiles."""
     finish, tmp_path = dry_runs["quick2"]
     session, wall, stdout = finish()
     assert {p.name for p in tmp_path.iterdir()} == {"quick2-session.json", "quick2.log", "tiles-d256.json", "e2e.json",
-                                                    "e2e-fit.json", "e2e-layer0.json"}
+                                                    "e2e-fit.json", "e2e-layer0.json", "e2e-untiled.json"}
     assert [(s["name"], s["status"]) for s in session["stages"]] == [
-        ("wide_tiles", "ok"), ("e2e", "ok"), ("fit", "ok"), ("layer0", "ok")]
+        ("wide_tiles", "ok"), ("e2e", "ok"), ("fit", "ok"), ("layer0", "ok"), ("untiled", "ok")]
     tiles = json.loads((tmp_path / "tiles-d256.json").read_text())
     assert tiles["chosen"]["applies_to"]["head_dim"] == 256 and set(tiles["best"]) == {"columns", "dq", "forward",
                                                                                        "dkdv"}
@@ -174,6 +175,14 @@ def test_the_second_call_dry_run_runs_the_rest(dry_runs):
     headline = session["headline"]
     (first_layer,) = headline["first_layer"]
     assert first_layer["seq_len"] == 128 and first_layer["dense_first_layer_share"] is not None
+    # token tiles: e2e's step tiled (at its tiny length, as the GPU's from 32K), untiled's not, both peaks beside
+    untiled = json.loads((tmp_path / "e2e-untiled.json").read_text())
+    tiled_of = lambda report: [r["memory_savers"]["tiled"] for r in report["results"] if r["variant"] == "sparse_cp"]
+    assert tiled_of(e2e) == [True] and tiled_of(untiled) == [False]
+    (tiles_cost,) = headline["token_tiles"]
+    assert tiles_cost["seq_len"] == 128 and tiles_cost["tiled_share"] is not None
+    assert tiles_cost["tiled_peak_gib"] > 0 and tiles_cost["untiled_peak_gib"] > 0
+    assert "token tiles at 0K: " in stdout
     assert set(headline["wide_tiles_best"]) == set(tiles["best"]) and headline["tiles_best"] == {}
     assert headline["wide_tests"] is None and headline["compiled_step"] == []  # quick's
     assert "stage wide_tiles ok" in stdout
@@ -193,12 +202,12 @@ def test_no_stage_command_repeats_an_option(quick, tmp_path, dry_run):
     timeouts = {(s.name, s.command[s.command.index("--min_seq") + 1]): s.command[s.command.index("--timeout_s") + 1]
                 for s in stages if "--timeout_s" in s.command}
     assert timeouts == ({("e2e", "256"): "120", ("compile", "256"): "240", ("e2e", "128"): "120",
-                         ("fit", "512"): "120", ("layer0", "128"): "120"} if dry_run else
+                         ("fit", "512"): "120", ("layer0", "128"): "120", ("untiled", "128"): "120"} if dry_run else
                         {("e2e", "262144"): "150", ("compile", "262144"): "135", ("e2e", "131072"): "150",
-                         ("fit", "524288"): "190", ("layer0", "131072"): "150"})
+                         ("fit", "524288"): "190", ("layer0", "131072"): "150", ("untiled", "131072"): "150"})
     warmups = {s.name: s.command[s.command.index("--warmup_steps") + 1]
                for s in stages if "--warmup_steps" in s.command}
-    assert warmups == {"e2e": "1", "compile": "1", "fit": "0", "layer0": "1"}
+    assert warmups == {"e2e": "1", "compile": "1", "fit": "0", "layer0": "1", "untiled": "1"}
 
 
 def test_each_call_writes_at_most_eight_files_and_the_caps_fit_its_budget(quick, tmp_path):
@@ -276,12 +285,14 @@ def test_the_summary_of_a_gpu_session_with_an_out_of_memory_step(quick):
     assert "fit 0.5b sparse_cp 512K: 24.0 s, 57.0 GiB (predicted 32.4)" in summary
 
 
-def test_first_layer_cost_from_the_two_e2e_files(quick):
-    run = lambda step: {"results": [{"variant": "sparse_cp", "seq_len": 131072, "status": "ok", "step_s": step}]}
-    (cost,) = quick.first_layer_cost(run(4.0), run(3.6))
-    assert cost["dense_first_layer_share"] == pytest.approx(0.1)
-    (missing,) = quick.first_layer_cost({"results": []}, run(3.6))
-    assert missing["dense_first_layer_share"] is None
+def test_a_settings_cost_from_the_two_e2e_files(quick):
+    run = lambda step, peak: {"results": [{"variant": "sparse_cp", "seq_len": 131072, "status": "ok", "step_s": step,
+                                           "peak_gib": peak}]}
+    (cost,) = quick.setting_cost(run(4.0, 12.0), run(3.6, 15.5), "tiled", "untiled")
+    assert cost["tiled_share"] == pytest.approx(0.1) and (cost["tiled_step_s"], cost["untiled_step_s"]) == (4.0, 3.6)
+    assert (cost["tiled_peak_gib"], cost["untiled_peak_gib"]) == (12.0, 15.5)
+    (missing,) = quick.setting_cost({"results": []}, run(3.6, 15.5), "dense_first_layer", "sparse_first_layer")
+    assert missing["dense_first_layer_share"] is None and missing["dense_first_layer_peak_gib"] is None
 
 
 def test_the_kernel_tests_report_and_its_verdict(quick, tmp_path):
