@@ -10,9 +10,12 @@ Under CP, the trainer sees the data-parallel view (`DataParallelView`): while it
 place in their CP groups, so its groups, slices, normalizations and metrics are those of a data-parallel run without
 CP. The generation batch (`_prepare_inputs`: sampling, rewards, advantages, the reference model's and the old policy's
 log-probabilities) is computed unsharded on each CP group's first rank alone and broadcast to the group, which then
-holds the same prompts and completions (the others' random streams play no part). Only the loss's forward is a CP
-forward, through the whole-row hooks (`whole_rows.py`): its inputs sharded, its per-token log-probabilities and
-entropies gathered back into the whole rows, so every rank of the group computes one process's loss and metrics.
+holds the same prompts and completions (the others' random streams play no part). Under FSDP, whose forwards
+gather the sharded parameters from every rank, every rank of the group computes it in step (transformers' generate
+forwarding until every rank's completions end, `synced_gpus`) and the first rank's is broadcast. Only the loss's
+forward is a CP forward, through the whole-row hooks (`whole_rows.py`): its inputs sharded, its per-token
+log-probabilities and entropies gathered back into the whole rows, so every rank of the group computes one process's
+loss and metrics.
 """
 
 from __future__ import annotations
@@ -34,8 +37,7 @@ from ..integration.patching import temporarily
 def check_generating_trainer(trainer, cp_size: int, dp_size: int) -> None:
     """Raise ValueError, naming the setting and the fix, for a setting of a GRPO or RLOO trainer that CP does not run
     as a data-parallel run does: generation by vLLM or transformers' continuous batching (their own process layouts
-    and collectives over all processes), FSDP (its forwards gather the parameters from every rank, where one rank of
-    each CP group generates alone), and batch sizes that the data-parallel degree does not fit."""
+    and collectives over all processes) and batch sizes that the data-parallel degree does not fit."""
     args, cp = trainer.args, cp_size
     fix = ("or run without CP (drop --cp_size): sparse attention alone trains it, on one process or with data "
            "parallelism")
@@ -45,13 +47,8 @@ def check_generating_trainer(trainer, cp_size: int, dp_size: int) -> None:
                 f"{type(trainer).__name__} with --{flag} under context parallelism (CP {cp}) is not supported: its "
                 "generation exchanges prompts and completions over all processes, where each CP group must hold one "
                 f"data-parallel rank's. Fix: drop --{flag} (each CP group's first rank then generates with the "
-                f"model's generate and shares the completions with its group), {fix}.")
-    if getattr(trainer, "is_fsdp_enabled", False):
-        raise ValueError(
-            f"{type(trainer).__name__} with FSDP (--fsdp) under context parallelism (CP {cp}) is not supported: each "
-            "CP group's first rank generates the step's completions alone, and a forward of sharded parameters "
-            "gathers them from every rank. Fix: drop --fsdp (DDP keeps whole parameters on each rank), "
-            f"{fix}.")
+                f"model's generate and shares the completions with its group; under FSDP every rank generates in "
+                f"step and the first rank's are shared), {fix}.")
     generations = trainer.num_generations
     if generation_batch_size(args, dp_size) % generations:
         raise ValueError(
@@ -159,9 +156,9 @@ def seen_as(trainer, view: DataParallelView, module: ModuleType) -> Iterator[Non
 def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDims]) -> Callable[[], bool]:
     """Make TRL's GRPOTrainer or RLOOTrainer `trainer` run under CP as a data-parallel run: its own code in the
     data-parallel view (`DataParallelView`), its `_prepare_inputs` (generation, rewards, advantages, reference and old
-    log-probabilities) run on each CP group's first rank and its result broadcast to the group, and its generation
-    batch sized by the DP degree. Returns a function saying whether `_prepare_inputs` runs (its forwards are then not
-    CP forwards: they take whole rows on one rank). `patches` undoes it."""
+    log-probabilities) run on each CP group's first rank (on every rank under FSDP) and its result broadcast to the
+    group, and its generation batch sized by the DP degree. Returns a function saying whether `_prepare_inputs` runs
+    (its forwards are then not CP forwards: they take whole rows on the rank). `patches` undoes it."""
     from accelerate.utils import set_seed
 
     layout = parallel()
@@ -186,19 +183,24 @@ def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDi
     def prepare_on_first_rank(generation_batch: dict[str, Any]) -> dict[str, Any]:
         shared: list[Any] = [None]
         metrics = trainer._metrics["train" if trainer.model.training else "eval"]
-        if layout.cp_rank == 0:
+        # (under FSDP every rank of the group runs it, in step with the others: each forward of sharded parameters
+        # gathers them from every rank, and transformers' generate forwards a module that FSDP2 manages until every
+        # rank's completions end, `synced_gpus`; the first rank's result is taken, the others' play no part)
+        if layout.cp_rank == 0 or getattr(trainer, "is_fsdp_enabled", False):
             preparing[0] = True
             try:
                 with seen_as(trainer, view, module):
                     inputs = prepare_inputs(generation_batch)
             except Exception as error:
                 # (the group's other ranks wait in the broadcast: they raise too, naming the cause, rather than
-                # waiting there until the process group's timeout)
+                # waiting there until the process group's timeout; under FSDP a rank that failed takes part in it and
+                # raises its own error)
                 shared[0] = f"{type(error).__name__}: {error}"
                 dist.broadcast_object_list(shared, src=layout.cp_ranks[0], group=layout.cp_group)
                 raise
             finally:
                 preparing[0] = False
+        if layout.cp_rank == 0:
             # (with the metrics it logs and the tokens it counted: every rank's log and state are one process's; the
             # others' metrics, their losses', are the same)
             shared[0] = (_to(inputs, torch.device("cpu")), trainer.state.num_input_tokens_seen, dict(metrics))

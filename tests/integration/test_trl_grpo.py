@@ -2,7 +2,7 @@
 (GRPO's own code seen data-parallel: its reward groups, slices and gathers over the data-parallel ranks) and shares
 them with its group; the loss's forwards take each rank's shard of every row and gather the per-token
 log-probabilities back into whole rows. The logged loss, rewards, KL, clip ratios and the weights after the steps
-are one process's."""
+are one process's, also under FSDP2 (where every rank of a CP group generates in step, taking its first rank's)."""
 
 import os
 
@@ -24,6 +24,8 @@ GRPO = dict(max_steps=3, per_device_train_batch_size=4, num_generations=2, max_c
 # a pattern sparse at these lengths: rows of 64 tokens or more get vertical-slash attention
 PATTERN = dict(sparse_block_size=32, sparse_min_seq_len=64, sparse_vertical_topk=8, sparse_slash_topk=8,
                sparse_local_window=32, sparse_sink_tokens=4, sparse_last_q=16)
+FSDP2 = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2,
+                                                           "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
 LOGGED = ("loss", "grad_norm", "reward", "reward_std", "rewards/distinct/mean", "frac_reward_zero_std", "kl", "entropy",
           "completions/mean_length", "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max",
           "num_tokens")
@@ -50,6 +52,8 @@ def unreachable(completions, **kwargs) -> list[float]:
 def _train(rank: int, world: int, model: str, output_dir: str, cp: dict, grpo: dict, reward=distinct,
            trainer: str = "GRPO") -> dict:
     """Train TRL's `<trainer>Trainer` (GRPO or RLOO: they take the same arguments and log the same metrics)."""
+    from torch.distributed.fsdp import FSDPModule
+
     from hf_sparse_cp import sparse_arguments_class, sparse_trainer_class
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
@@ -66,9 +70,11 @@ def _train(rank: int, world: int, model: str, output_dir: str, cp: dict, grpo: d
     evaluation = trainer.evaluate()
     logs = [log for log in trainer.state.log_history if "loss" in log]
     return {"logs": [{key: log[key] for key in LOGGED if key in log} for log in logs],
+            "sharded": isinstance(trainer.model_wrapped, FSDPModule),
             "eval": {key: value for key, value in evaluation.items() if key.removeprefix("eval_") in LOGGED},
             "kept": [log.get("sparse/kept_fraction") for log in logs],
-            "weights": {name: p.detach().clone() for name, p in trainer.model.named_parameters()}}
+            "weights": {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()  # (FSDP2's)
+                        for name, p in trainer.model.named_parameters()}}
 
 
 def _assert_equal(run: dict, one: dict, absolute: dict[str, float] | None = None) -> None:
@@ -116,6 +122,39 @@ def test_grpo_under_cp2_equals_one_process(tmp_path, tiny, cp, grpo):
         _assert_equal(rank, one)
 
 
+@pytest.mark.parametrize("trainer", ["GRPO", "RLOO"])
+def test_grpo_and_rloo_under_cp2_with_fsdp2_equal_one_process(tmp_path, tiny, trainer):
+    """FSDP2 (sharded parameters; the reference model too, TRL's prepare_fsdp): every rank of the CP group runs the
+    generation batch, whose forwards gather the parameters from every rank, in step with the others (transformers'
+    synced_gpus), and takes its first rank's rows; the losses, rewards, KL and the weights after three steps, and an
+    evaluation's loss and rewards, are one process's."""
+    grpo = {"beta": 0.1}
+    one = run_gloo(_train, 1, tiny, str(tmp_path / "one"), {}, grpo, distinct, trainer, timeout_s=300)[0]
+    assert all(log["grad_norm"] > 0 for log in one["logs"]), one["logs"]  # (it trained)
+    for rank in run_gloo(_train, 2, tiny, str(tmp_path / "cp2"), {"cp_size": 2, **FSDP2}, grpo, distinct, trainer,
+                         timeout_s=300):
+        assert rank["sharded"]
+        _assert_equal(rank, one)
+
+
+def test_grpo_under_dp2_x_cp2_with_fsdp2_equals_data_parallel(tmp_path, tiny):
+    """DP 2 x CP 2 with FSDP2 trains as DP 2 without CP or FSDP: the DP ranks complete different prompts, whose
+    completions end at different lengths (the policy also stops at 24 byte tokens), and every rank's generate keeps
+    forwarding, its parameters gathered from all 4 ranks, until all of them end."""
+    from transformers import GenerationConfig
+
+    ending = str(tmp_path / "ending")
+    AutoModelForCausalLM.from_pretrained(tiny).save_pretrained(ending)
+    GenerationConfig(eos_token_id=[2, *range(100, 124)], pad_token_id=0).save_pretrained(ending)
+    grpo = {"per_device_train_batch_size": 1, "beta": 0.1}
+    dp = run_gloo(_train, 2, ending, str(tmp_path / "dp2"), {}, grpo, timeout_s=300)
+    assert any(log["completions/mean_length"] < GRPO["max_completion_length"] for log in dp[0]["logs"]), dp[0]["logs"]
+    for rank, run in enumerate(run_gloo(_train, 4, ending, str(tmp_path / "dp2cp2"), {"cp_size": 2, **FSDP2}, grpo,
+                                        timeout_s=300)):
+        assert run["sharded"]
+        _assert_equal(run, dp[rank // 2])
+
+
 def test_grpo_under_dp2_x_cp2_equals_data_parallel(tmp_path, tiny):
     """DP 2 x CP 2 (4 processes) trains as DP 2 without CP: GRPO's reward groups, its slices by process index and
     its gathers run over the data-parallel ranks (its groups of 2 completions span them: one prompt per rank and
@@ -153,14 +192,13 @@ def test_a_failure_generating_the_rows_ends_every_rank_of_the_group_naming_it(tm
     # whole group of 2 completions)
     ({"per_device_train_batch_size": 1}, r"the generation batch, per_device_train_batch_size 1 x DP 1 x "
                                          r"steps_per_generation 1, is not a multiple of --num_generations 2"),
-    ({"is_fsdp_enabled": True}, r"with FSDP \(--fsdp\) under context parallelism \(CP 2\).*Fix: drop --fsdp"),
-], ids=["vllm", "continuous-batching", "generation-batch", "fsdp"])
+], ids=["vllm", "continuous-batching", "generation-batch"])
 @pytest.mark.parametrize("trainer", ["GRPO", "RLOO"])
 def test_a_setting_cp_does_not_run_as_data_parallel_is_refused_naming_the_fix(tmp_path, tiny, setting, refusal,
                                                                               trainer):
     """A GRPO or RLOO setting: vLLM's and continuous batching's generation exchange prompts and completions over all
-    processes, FSDP's forwards gather the parameters from every rank (one rank of each CP group generates alone), and a
-    generation batch of one data-parallel rank's prompts must hold whole groups: refused at start, naming the fix."""
+    processes, and a generation batch of one data-parallel rank's prompts must hold whole groups: refused at start,
+    naming the fix."""
     from hf_sparse_cp.trainer.generated_rows import check_generating_trainer
 
     args = getattr(trl, f"{trainer}Config")(output_dir=str(tmp_path), **GRPO, use_cpu=True)
@@ -169,6 +207,6 @@ def test_a_setting_cp_does_not_run_as_data_parallel_is_refused_naming_the_fix(tm
                                               train_dataset=datasets.Dataset.from_dict(_prompts(2)))
     check_generating_trainer(built, 2, 1)  # (its settings run under CP)
     for name, value in setting.items():  # (set after the Trainer's start: vLLM is not installed here)
-        setattr(built if name == "is_fsdp_enabled" else args, name, value)
+        setattr(args, name, value)
     with pytest.raises(ValueError, match=refusal):
         check_generating_trainer(built, 2, 1)
