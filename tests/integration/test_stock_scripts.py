@@ -287,24 +287,11 @@ def test_trls_dpo_script_under_cp2_equals_one_process(workdir):
     sgd = ["--optim", "sgd", "--learning_rate", "0.05"]
     one, cp2 = (_trl_script(workdir, f"dpo_{name}", "dpo", data, sgd, cp)
                 for name, cp in (("one", []), ("cp2", ["--nproc", "2", "--cp_size", "2"])))
-    one, cp2 = one(), cp2()
-    assert one.returncode == 0, one.stderr[-6000:]
-    assert "Training completed" in one.stdout and "context parallelism: off" in one.stderr + one.stdout
-    first = _logs(one.stdout)[0]  # the reference model attends as the policy does: at step 1 they are one model
+    logs, reference = _assert_cp2_trains_as_one_process(workdir, "dpo", one(), cp2(), (
+        "loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"))
+    first = reference[0]  # the reference model attends as the policy does: at step 1 they are one model
     assert (first["rewards/chosen"], first["rewards/rejected"], first["loss"]) == ("0", "0", "0.6931"), first
-    assert cp2.returncode == 0, cp2.stderr[-6000:]
-    assert "context parallelism: CP 2 x DP 1" in cp2.stderr + cp2.stdout
-    logs, reference = _logs(cp2.stdout), _logs(one.stdout)
-    assert len(logs) == len(reference) == 3 and logs[0]["loss"] != logs[2]["loss"]
-    for got, want in zip(logs, reference):  # (as TRL prints them: 4 significant digits)
-        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
-            assert float(got[key]) == pytest.approx(float(want[key]), rel=1e-3, abs=1e-4), (key, logs, reference)
-    weights, trained = load_file(workdir / "dpo_cp2" / "model.safetensors"), load_file(
-        workdir / "dpo_one" / "model.safetensors")
-    for name, tensor in trained.items():
-        assert torch.allclose(weights[name], tensor, rtol=1e-5, atol=1e-6), name
-    assert any(not torch.equal(trained[name], tensor) for name, tensor in load_file(
-        workdir / "tiny" / "model.safetensors").items())  # (it trained)
+    assert logs[0]["loss"] != logs[2]["loss"]
 
 
 @pytest.mark.parametrize("script", ["grpo", "rloo"])
@@ -322,22 +309,9 @@ def test_trls_generating_script_under_cp2_equals_one_process(workdir, script):
             "--per_device_train_batch_size", "2", "--optim", "sgd", "--learning_rate", "0.05"]
     one, cp2 = (_trl_script(workdir, f"{script}_{name}", script, data, args, cp)
                 for name, cp in (("one", []), ("cp2", ["--nproc", "2", "--cp_size", "2"])))
-    one, cp2 = one(), cp2()
-    assert one.returncode == 0, one.stderr[-6000:]
-    assert "Training completed" in one.stdout and "context parallelism: off" in one.stderr + one.stdout
-    assert cp2.returncode == 0, cp2.stderr[-6000:]
-    assert "context parallelism: CP 2 x DP 1" in cp2.stderr + cp2.stdout
-    logs, reference = _logs(cp2.stdout), _logs(one.stdout)
-    assert len(logs) == len(reference) == 3 and any(float(log["reward_std"]) > 0 for log in reference)
-    for got, want in zip(logs, reference):  # (as TRL prints them: 4 significant digits)
-        for key in ("loss", "grad_norm", "reward", "reward_std", "entropy", "completions/mean_length", "num_tokens"):
-            assert float(got[key]) == pytest.approx(float(want[key]), rel=1e-3, abs=1e-4), (key, logs, reference)
-    weights, trained = load_file(workdir / f"{script}_cp2" / "model.safetensors"), load_file(
-        workdir / f"{script}_one" / "model.safetensors")
-    for name, tensor in trained.items():
-        assert torch.allclose(weights[name], tensor, rtol=1e-5, atol=1e-6), name
-    assert any(not torch.equal(trained[name], tensor) for name, tensor in load_file(
-        workdir / "tiny" / "model.safetensors").items())  # (it trained)
+    _, reference = _assert_cp2_trains_as_one_process(workdir, script, one(), cp2(), (
+        "loss", "grad_norm", "reward", "reward_std", "entropy", "completions/mean_length", "num_tokens"))
+    assert any(float(log["reward_std"]) > 0 for log in reference)
 
 
 def test_trls_reward_script_under_cp2_equals_one_process(workdir):
@@ -353,26 +327,79 @@ def test_trls_reward_script_under_cp2_equals_one_process(workdir):
     one, cp2 = (_trl_script(workdir, f"reward_{name}", "reward", data, args, cp, test=data[:3])
                 for name, cp in (("one", []), ("cp2", ["--nproc", "2", "--cp_size", "2"])))
     one, cp2 = one(), cp2()
-    assert one.returncode == 0, one.stderr[-6000:]
-    assert cp2.returncode == 0, cp2.stderr[-6000:]
-    assert "context parallelism: CP 2 x DP 1" in cp2.stderr + cp2.stdout
-    logs, reference = _logs(cp2.stdout), _logs(one.stdout)
-    assert len(logs) == len(reference) == 3 and logs[0]["loss"] != logs[2]["loss"], (logs, reference)
+    logs, reference = _assert_cp2_trains_as_one_process(workdir, "reward", one, cp2, (
+        "loss", "grad_norm", "min_reward", "mean_reward", "max_reward", "accuracy", "margin", "num_tokens"))
+    assert logs[0]["loss"] != logs[2]["loss"], (logs, reference)
     assert any(float(log["sparse/kept_fraction"]) < 0.95 for log in reference), reference
-    for got, want in zip(logs, reference):  # (as TRL prints them: 4 significant digits)
-        for key in ("loss", "grad_norm", "min_reward", "mean_reward", "max_reward", "accuracy", "margin",
-                    "num_tokens"):
-            assert float(got[key]) == pytest.approx(float(want[key]), rel=1e-3, abs=1e-4), (key, logs, reference)
     evaluated, reference = _eval_logs(cp2.stdout), _eval_logs(one.stdout)
     assert len(evaluated) == len(reference) == 1, (evaluated, reference)
     for key in ("eval_loss", "eval_mean_reward", "eval_accuracy", "eval_margin"):
         assert float(evaluated[0][key]) == pytest.approx(float(reference[0][key]), rel=1e-3, abs=1e-4), key
-    weights, trained = load_file(workdir / "reward_cp2" / "model.safetensors"), load_file(
-        workdir / "reward_one" / "model.safetensors")
-    for name, tensor in trained.items():
-        assert torch.allclose(weights[name], tensor, rtol=1e-5, atol=1e-6), name
-    base = load_file(workdir / "tiny" / "model.safetensors")
-    assert any(not torch.equal(trained[name], base[name]) for name in base if name in trained)  # (it trained)
+
+
+def test_trls_kto_script_under_cp2_equals_one_process(workdir):
+    """TRL's kto.py (unpaired completions labelled desirable or not; a KL estimate from the batch's mismatched
+    prompt-completion pairs, two more forwards of the trained and reference models) trains with sparse attention, and
+    under CP 2 as one process does (its forwards' outputs gathered into whole rows, as DPO's: `whole_rows.py`): the
+    loss, KL estimate, rewards, log-probs and logits of every step and the saved weights (SGD: the update is the
+    gradient's; at 0.2 the KL estimate, clamped at 0, is positive by step 3)."""
+    prompts, chosen, rejected = _words(8, 0), _words(8, 1), _words(8, 2)
+    data = [{"prompt": p, "completion": (c, r)[i % 2], "label": i % 2 == 0}
+            for i, (p, c, r) in enumerate(zip(prompts, chosen, rejected))]
+    args = ["--optim", "sgd", "--learning_rate", "0.2", "--per_device_train_batch_size", "2"]
+    one, cp2 = (_trl_script(workdir, f"kto_{name}", "kto", data, args, cp)
+                for name, cp in (("one", []), ("cp2", ["--nproc", "2", "--cp_size", "2"])))
+    logs, reference = _assert_cp2_trains_as_one_process(workdir, "kto", one(), cp2(), (
+        "loss", "grad_norm", "kl", "entropy", "num_tokens", "rewards/chosen", "rewards/rejected", "logps/chosen",
+        "logps/rejected", "logits/chosen", "logits/rejected"))
+    assert reference[0]["loss"] == "0.5" and any(float(log["kl"]) > 0 for log in reference), reference
+
+
+def test_trls_distillation_script_trains_without_cp_and_is_refused_once_under_cp2(workdir):
+    """TRL's distillation.py (the student completes each prompt; its loss, TRL's own, is a divergence from a teacher
+    model's token distributions: a local tiny teacher) trains with sparse attention on one process, and under CP 2,
+    where each rank's outputs would be its shard's, `hf-sparse-cp launch` refuses it before starting any process: exit
+    status 2, one error line naming the cause and the fix, no traceback."""
+    data = [{"prompt": p} for p in _words(8, 0)]
+    args = ["--teacher_model_name_or_path", "tiny", "--max_completion_length", "8", "--per_device_train_batch_size",
+            "2", "--optim", "sgd", "--learning_rate", "0.05"]
+    one, cp2 = (_trl_script(workdir, f"distillation_{name}", "distillation", data, args, cp)
+                for name, cp in (("one", []), ("cp2", ["--nproc", "2", "--cp_size", "2"])))
+    one, cp2 = one(), cp2()
+    assert one.returncode == 0, one.stderr[-6000:]
+    assert "Training completed" in one.stdout and "context parallelism: off" in one.stderr + one.stdout
+    logs = _logs(one.stdout)
+    assert len(logs) == 3 and all(float(log["loss"]) > 0 for log in logs), logs
+    assert any(float(log["sparse/kept_fraction"]) < 1 for log in logs), logs  # (the sparse path ran)
+    trained, base = (load_file(workdir / folder / "model.safetensors") for folder in ("distillation_one", "tiny"))
+    assert any(not torch.equal(trained[name], base[name]) for name in base)  # (it trained)
+    assert cp2.returncode == 2 and "Traceback" not in cp2.stderr and not cp2.stdout, cp2.stderr
+    errors = [line for line in cp2.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "DistillationTrainer under context parallelism (CP 2) is not supported" in errors[0] \
+        and "Fix: run without CP" in errors[0], cp2.stderr
+    assert not (workdir / "distillation_cp2").exists()  # (no process started)
+
+
+def _assert_cp2_trains_as_one_process(workdir: Path, name: str, one: subprocess.CompletedProcess,
+                                      cp2: subprocess.CompletedProcess, keys: tuple[str, ...]) -> tuple[list, list]:
+    """TRL's `name` script ran on one process (`one`, into `<name>_one`) and under CP 2 (`cp2`, `<name>_cp2`), and
+    they trained alike: the logged `keys` of every step (as TRL prints them: 4 significant digits) and the saved
+    weights (SGD) equal, which moved. Returns the CP 2 and the one-process logs."""
+    assert one.returncode == 0, one.stderr[-6000:]
+    assert "Training completed" in one.stdout and "context parallelism: off" in one.stderr + one.stdout
+    assert cp2.returncode == 0, cp2.stderr[-6000:]
+    assert "context parallelism: CP 2 x DP 1" in cp2.stderr + cp2.stdout
+    logs, reference = _logs(cp2.stdout), _logs(one.stdout)
+    assert len(logs) == len(reference) == 3, (logs, reference)
+    for got, want in zip(logs, reference):
+        for key in keys:
+            assert float(got[key]) == pytest.approx(float(want[key]), rel=1e-3, abs=1e-4), (key, logs, reference)
+    weights, trained, base = (load_file(workdir / folder / "model.safetensors")
+                              for folder in (f"{name}_cp2", f"{name}_one", "tiny"))
+    for key, tensor in trained.items():
+        assert torch.allclose(weights[key], tensor, rtol=1e-5, atol=1e-6), key
+    assert any(not torch.equal(trained[key], base[key]) for key in base if key in trained)  # (it trained)
+    return logs, reference
 
 
 def _logs(stdout: str) -> list[dict]:
