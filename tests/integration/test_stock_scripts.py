@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -294,24 +295,42 @@ def test_trls_dpo_script_under_cp2_equals_one_process(workdir):
     assert logs[0]["loss"] != logs[2]["loss"]
 
 
-@pytest.mark.parametrize("script", ["grpo", "rloo"])
-def test_trls_generating_script_under_cp2_equals_one_process(workdir, script):
+# An accelerate launch config of FSDP2 on 2 processes (on CPU processes the plugin runs its FSDP2 over gloo)
+FSDP2_CONFIG = ("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+                "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_state_dict_type: FULL_STATE_DICT\n"
+                "mixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\nmachine_rank: 0\nrdzv_backend: static\n"
+                "same_network: true\nuse_cpu: false\nmain_process_port: {port}\n")
+
+
+@pytest.mark.parametrize(("script", "fsdp"), [("grpo", False), ("rloo", False), ("grpo", True)],
+                         ids=["grpo", "rloo", "grpo-accelerate-fsdp2"])
+def test_trls_generating_script_under_cp2_equals_one_process(workdir, script, fsdp):
     """TRL's grpo.py and rloo.py (their Trainer completes the prompts it gets and computes its own loss) train with
     sparse attention, and under CP 2, where they were refused at start, as one process does: each CP group's first
     rank generates and scores the step's completions and shares them with its group, the loss's forwards take half of
-    every row. The loss, rewards and entropy of every step and the saved weights (SGD: the update is the gradient's;
-    RLOO's default beta 0.05: a KL penalty to the reference model in its rewards)."""
+    every row; also under an accelerate FSDP2 config (`--config_file`: every rank generates in step, its checkpoint
+    the plugin's sharded state). The loss, rewards and entropy of every step and the saved weights (SGD: the update is
+    the gradient's; RLOO's default beta 0.05: a KL penalty to the reference model in its rewards)."""
     data = [{"prompt": p} for p in _words(8, 0)]
     # the reward: a function the script imports from the working directory (`module.function`)
     (workdir / "length_reward.py").write_text("def reward(completions, **kwargs):\n"
                                               "    return [float(len(c)) for c in completions]\n")
     args = ["--reward_funcs", "length_reward.reward", "--num_generations", "2", "--max_completion_length", "8",
             "--per_device_train_batch_size", "2", "--optim", "sgd", "--learning_rate", "0.05"]
+    launcher = ["--nproc", "2"]
+    if fsdp:
+        with socket.socket() as s:  # (a free port: accelerate's default, 29500, may be another test's)
+            s.bind(("127.0.0.1", 0))
+            (workdir / "fsdp2.yaml").write_text(FSDP2_CONFIG.format(port=s.getsockname()[1]))
+        launcher = ["--config_file", str(workdir / "fsdp2.yaml")]
+        args += ["--save_strategy", "steps", "--save_steps", "3"]
     one, cp2 = (_trl_script(workdir, f"{script}_{name}", script, data, args, cp)
-                for name, cp in (("one", []), ("cp2", ["--nproc", "2", "--cp_size", "2"])))
+                for name, cp in (("one", []), ("cp2", [*launcher, "--cp_size", "2"])))
     _, reference = _assert_cp2_trains_as_one_process(workdir, script, one(), cp2(), (
         "loss", "grad_norm", "reward", "reward_std", "entropy", "completions/mean_length", "num_tokens"))
     assert any(float(log["reward_std"]) > 0 for log in reference)
+    # (FSDP2 ran: its checkpoint holds each rank's shard of the parameters)
+    assert (workdir / f"{script}_cp2" / "checkpoint-3" / "hf_sparse_cp_sharded_state").exists() == fsdp
 
 
 def test_trls_reward_script_under_cp2_equals_one_process(workdir):
