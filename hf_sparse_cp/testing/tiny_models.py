@@ -50,6 +50,17 @@ TINY_DECODER = dict(decoder_layers="num_hidden_layers", decoder_attention_heads=
                     decoder_ffn_dim="intermediate_size")
 
 
+def _defaults_to_sliding_layers(config_class: type) -> bool:
+    """Whether `config_class`'s own defaults make sliding-attention layers (its `layer_types`, where they are a field:
+    RecurrentGemma derives them)."""
+    if not _field_of(config_class, "layer_types"):
+        return False
+    try:
+        return "sliding_attention" in (getattr(config_class(), "layer_types", None) or ())
+    except Exception:  # (a config that its defaults alone do not build: nothing to learn from them)
+        return False
+
+
 def _field_of(config_class: type, name: str) -> bool:
     """Whether `config_class` takes a field `name`: an argument of its constructor, under that name or the one its
     `attribute_map` makes it an alias of (LongCat-Flash's num_local_experts: n_routed_experts)."""
@@ -268,9 +279,11 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
             if kinds:
                 config.layer_types = layer_types = [*layer_types[:-1], kinds[0]]
     no_window = config.sliding_window is None or unwindowed
-    if no_window and "sliding_attention" in layer_types and "layer_types" not in overrides:
+    if no_window and "layer_types" not in overrides and ("sliding_attention" in layer_types
+                                                         or _defaults_to_sliding_layers(config_class)):
         # Gemma 2/3, Cohere 2, OLMo 3 default to sliding layers, and build a sliding mask even when no layer reads
         # it, which transformers cannot do without a window: every layer full, and a window no layer uses.
+        # (Ministral's config makes its layers full when given no window, and its model still builds that mask.)
         # Built again with them where the config takes them: what it derives per layer type (Dory's RoPE
         # parameters, Gemma 4's per-layer settings) then follows them (set afterwards, it did not: KeyError
         # 'full_attention' at the model's build).

@@ -419,11 +419,12 @@ def test_a_language_model_under_a_multimodal_config_takes_the_pattern_configured
 
 
 @pytest.mark.parametrize("model_type", released_model_types("gemma3_text", "cohere2", "gemma2", "olmo3", "dory",
-                                                             "gemma4_text"))
+                                                             "gemma4_text", "ministral"))
 def test_a_tiny_model_of_a_sliding_window_family_has_no_window_and_runs(model_type):
     """Families whose layer_types default to sliding layers (Gemma 2/3, Cohere 2, OLMo 3): without a window the
     tiny model's layers are all full attention, and its forward runs (`--tiny_model_type gemma3_text` crashed at
-    its first step in transformers' mask: 'Could not find a `sliding_window` argument in the config'); with a
+    its first step in transformers' mask: 'Could not find a `sliding_window` argument in the config'; so did
+    Ministral's, whose config makes its layers full when given no window, though its model builds that mask); with a
     window given, its layer_types stay the architecture's. The config is built with those layer types, so what it
     derives per layer type follows them (Dory's RoPE parameters: KeyError 'full_attention' at the model's build;
     Gemma 4's per-layer settings: 'not homogeneous across layers')."""
@@ -545,7 +546,7 @@ SWEPT = {
     "gemma4_text": _KV_SHARING, "jetmoe": {},
     "phimoe": {}, "exaone_moe": {}, "bamba": {"attn_layer_indices": [1], **_MAMBA},
     "granitemoehybrid": {"layer_types": ["mamba", "attention"], **_MAMBA}, "minimax": {},
-    "olmo3": _WINDOWED, "exaone4": _WINDOWED,
+    "olmo3": _WINDOWED, "exaone4": _WINDOWED, "ministral": {},
     **{t: {"max_position_embeddings": 512} for t in ("bart", "mbart", "plbart", "blenderbot", "blenderbot-small",
                                                      "marian", "pegasus", "whisper")},
 }
