@@ -5,7 +5,6 @@ its CP group, which the `sparse_cp` attention backend receives as the keyword `c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -21,7 +20,6 @@ if TYPE_CHECKING:
 CP_SHARD_KWARG = "cp_shard"
 
 
-@dataclass(frozen=True, eq=False)
 class CPShard:
     """One rank's view of a batch split over its CP group.
 
@@ -37,15 +35,22 @@ class CPShard:
     multimodal RoPE model expands to its rotary rows without packing by them (the backend refuses that);
     input_ids: the whole batch's token ids [B, plan.seq_len] (None: it came as inputs_embeds), by which a
     sequence-classification head finds the token it pools (`integration/heads.py`).
+
+    Not a dataclass on purpose: FSDP2's mixed precision (`cast_forward_inputs`, on with bf16 parameters) rebuilds every
+    dataclass among a forward's inputs at each module it wraps, so a dataclass shard reached every decoder layer as a
+    copy, without what the batch's first computed (the documents read back to the host again, layer by layer) nor its
+    identity (which the whole-row hooks know it by); a plain object passes as it is. Equal only to itself.
     """
 
-    parallel: ParallelDims
-    plan: BlockSplit
-    meta: TokenMeta
-    documents: BatchDocumentExtents | None = None
-    attention_mask: torch.Tensor | None = None
-    packed_by_positions: bool = False
-    input_ids: torch.Tensor | None = None
+    def __init__(self, parallel: ParallelDims, plan: BlockSplit, meta: TokenMeta,
+                 documents: BatchDocumentExtents | None = None, attention_mask: torch.Tensor | None = None,
+                 packed_by_positions: bool = False, input_ids: torch.Tensor | None = None) -> None:
+        self.parallel, self.plan, self.meta, self.documents = parallel, plan, meta, documents
+        self.attention_mask, self.packed_by_positions, self.input_ids = attention_mask, packed_by_positions, input_ids
+
+    def __repr__(self) -> str:
+        return (f"CPShard(rank {self.rank} of CP {self.parallel.cp_size}, batch {tuple(self.meta.index.shape)}, "
+                f"{type(self.plan).__name__})")
 
     @property
     def rank(self) -> int:

@@ -129,23 +129,13 @@ def _hook(model: torch.nn.Module, patches, parallel, prepare, active) -> None:
     # (a sequence-classification head's pooled score is the batch's on every rank already: `pool_over_cp_group`)
     batch_outputs = BATCH_OUTPUT_HEADS.get(model_head(model), 0)
 
-    # the shard `shard` made for the forward starting now, which `restore` hands back to it after the other pre-hooks:
-    # FSDP2's mixed precision (bf16 parameters) casts a forward's floating inputs, rebuilding each dataclass among
-    # them, the CPShard too, into a copy that `gather` did not know (the outputs stayed each rank's shard's)
-    starting: list = []
-
     def shard(module, args, kwargs):
-        starting.clear()
         if not active() or parallel().cp_size == 1 or kwargs.get(CP_SHARD_KWARG) is not None:
             return None
         named = _by_name(module, args, kwargs)  # (labels may come positionally too)
         inputs = _sharded_inputs(type(module).__name__, named, prepare)
         sharded_here[inputs[CP_SHARD_KWARG]] = named.get("labels") is not None and named.get("shift_labels") is None
-        starting.append(inputs[CP_SHARD_KWARG])
         return (), inputs
-
-    def restore(module, args, kwargs):
-        return (args, {**kwargs, CP_SHARD_KWARG: starting.pop()}) if starting else None
 
     def gather(module, args, kwargs, output):
         cp_shard = kwargs.get(CP_SHARD_KWARG)
@@ -156,7 +146,6 @@ def _hook(model: torch.nn.Module, patches, parallel, prepare, active) -> None:
 
     # (first: the CP guard's pre-hook then sees the shard, and NEFTune's scale the forward's CPShard)
     patches.on_undo(model.register_forward_pre_hook(shard, with_kwargs=True, prepend=True).remove)
-    patches.on_undo(model.register_forward_pre_hook(restore, with_kwargs=True).remove)  # (last)
     patches.on_undo(model.register_forward_hook(gather, with_kwargs=True).remove)
 
 

@@ -18,7 +18,7 @@ from host_reads import count_host_reads
 SEQ, BLOCK = 512, 32
 
 
-def _step_reads(rank: int, world: int, cp_mode: str) -> dict:
+def _step_reads(rank: int, world: int, cp_mode: str, fsdp_bf16: bool = False) -> dict:
     from hf_sparse_cp.distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
 
     hf_sparse_cp.patch()
@@ -28,12 +28,19 @@ def _step_reads(rank: int, world: int, cp_mode: str) -> dict:
                                                          head_dim=16))
     hf_sparse_cp.configure(model, SparseAttentionConfig(block_size=BLOCK, min_seq_len=128, sink_tokens=4,
                                                         local_window=BLOCK, dense_first_layers=1))
+    if fsdp_bf16:  # FSDP2 with bf16 parameters: its pre-forward hooks cast the inputs of the model and of each layer
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
     ids = torch.randint(3, 97, (1, SEQ), generator=torch.Generator().manual_seed(1))
     with count_host_reads() as reads:
         inputs = prepare_context_parallel_inputs({"input_ids": ids, "labels": ids}, par, block_size=BLOCK)
         targets = inputs.pop("shift_labels")
         del inputs["labels"]
-        F.cross_entropy(model(**inputs).logits[0], targets[0], reduction="sum").backward()
+        F.cross_entropy(model(**inputs).logits[0].float(), targets[0], reduction="sum").backward()
     by_function = collections.Counter()
     for (site, _), n in reads.sites.items():
         if site.startswith("hf_sparse_cp/"):
@@ -52,5 +59,8 @@ ULYSSES = {f"{A}tokens.py document_table": 1, f"{A}build.py build_layout": 7}
 
 
 def test_host_reads_of_a_cp2_step_are_pinned():
-    reads = run_gloo_each({mode: (_step_reads, (mode,)) for mode in ("ring", "ulysses")}, 2, timeout_s=600)
-    assert reads == {"ring": [RING, RING], "ulysses": [ULYSSES, ULYSSES]}
+    """Under FSDP2 with bf16 parameters too: its input cast rebuilt the CP shard (then a dataclass) at every layer it
+    wraps, and each copy read the documents back again (document_table 3 times in this step, 7 with 8 layers)."""
+    calls = {mode: (_step_reads, (mode,)) for mode in ("ring", "ulysses")}
+    reads = run_gloo_each({**calls, "ring-fsdp2-bf16": (_step_reads, ("ring", True))}, 2, timeout_s=600)
+    assert reads == {"ring": [RING, RING], "ulysses": [ULYSSES, ULYSSES], "ring-fsdp2-bf16": [RING, RING]}
