@@ -186,20 +186,26 @@ def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDi
         # (under FSDP every rank of the group runs it, in step with the others: each forward of sharded parameters
         # gathers them from every rank, and transformers' generate forwards a module that FSDP2 manages until every
         # rank's completions end, `synced_gpus`; the first rank's result is taken, the others' play no part)
-        if layout.cp_rank == 0 or getattr(trainer, "is_fsdp_enabled", False):
+        fsdp = getattr(trainer, "is_fsdp_enabled", False)
+        if layout.cp_rank == 0 or fsdp:
             preparing[0] = True
             try:
                 with seen_as(trainer, view, module):
                     inputs = prepare_inputs(generation_batch)
             except Exception as error:
-                # (the group's other ranks wait in the broadcast: they raise too, naming the cause, rather than
-                # waiting there until the process group's timeout; under FSDP a rank that failed takes part in it and
-                # raises its own error)
-                shared[0] = f"{type(error).__name__}: {error}"
-                dist.broadcast_object_list(shared, src=layout.cp_ranks[0], group=layout.cp_group)
+                failed = f"{type(error).__name__}: {error}"
+                if fsdp:  # (every rank of the group computed it: each learns of the failure, the others raise too)
+                    _raise_if_one_failed(trainer, layout, failed)
+                else:
+                    # (the group's other ranks wait in the broadcast: they raise too, naming the cause, rather than
+                    # waiting there until the process group's timeout)
+                    shared[0] = failed
+                    dist.broadcast_object_list(shared, src=layout.cp_ranks[0], group=layout.cp_group)
                 raise
             finally:
                 preparing[0] = False
+            if fsdp:
+                _raise_if_one_failed(trainer, layout, None)
         if layout.cp_rank == 0:
             # (with the metrics it logs and the tokens it counted: every rank's log and state are one process's; the
             # others' metrics, their losses', are the same)
@@ -222,6 +228,18 @@ def share_generation_batches(trainer, patches, parallel: Callable[[], ParallelDi
     patches.set_attr(trainer, "_prepare_inputs", prepare_on_first_rank)
     patches.set_attr(trainer, "_compute_loss", loss_seen_data_parallel)
     return lambda: preparing[0]
+
+
+def _raise_if_one_failed(trainer, layout: ParallelDims, failed: str | None) -> None:
+    """Under FSDP, where every rank of the CP group computes the generation batch: tell the group whether this rank's
+    failed (`failed`: its error, or None) and raise, on a rank that did not fail, naming the first rank that did, so
+    that no rank goes on to the loss's forwards, which would wait for that rank's parameters until the process group's
+    timeout (a failing rank raises its own error after this)."""
+    told: list[Any] = [None] * layout.cp_size
+    dist.all_gather_object(told, failed, group=layout.cp_group)
+    if failed is None and (first := next(((r, e) for r, e in zip(layout.cp_ranks, told) if e), None)):
+        raise RuntimeError(f"{type(trainer).__name__}: rank {first[0]} of its CP group failed computing the group's "
+                           f"generation batch ({first[1]}): see its traceback.")
 
 
 def _logs_of_length(logs: dict[str, Any], length: int) -> dict[str, Any]:

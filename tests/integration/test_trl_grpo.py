@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
@@ -167,9 +168,16 @@ def test_grpo_under_dp2_x_cp2_equals_data_parallel(tmp_path, tiny):
         _assert_equal(run, dp[rank // 2])
 
 
-def _failing(rank: int, world: int, model: str, output_dir: str) -> str:
+def unreachable_from_the_last_rank(completions, **kwargs) -> list[float]:
+    """A reward whose server only the last rank cannot reach."""
+    if dist.get_rank() == dist.get_world_size() - 1:
+        raise ConnectionError("the reward server is down")
+    return distinct(completions)
+
+
+def _failing(rank: int, world: int, model: str, output_dir: str, cp: dict | None = None, reward=unreachable) -> str:
     try:
-        _train(rank, world, model, output_dir, {"cp_size": 2}, {}, unreachable)
+        _train(rank, world, model, output_dir, {"cp_size": 2, **(cp or {})}, {}, reward)
     except Exception as error:
         return f"{type(error).__name__}: {error}"
     return "trained"
@@ -182,6 +190,16 @@ def test_a_failure_generating_the_rows_ends_every_rank_of_the_group_naming_it(tm
     assert first == "ConnectionError: the reward server is down"
     assert other.startswith("RuntimeError: SparseGRPOTrainer: rank 0, which generates and scores the rows of its CP "
                             "group, failed (ConnectionError: the reward server is down)"), other
+
+
+def test_under_fsdp2_a_failure_of_one_rank_generating_the_rows_ends_every_rank_of_the_group_naming_it(tmp_path, tiny):
+    """Under FSDP2 every rank of the group computes the generation batch; one that fails there (the last: a reward
+    server only it cannot reach) raises, and the others, which would wait in the loss's forwards for its parameters
+    until the process group's timeout, raise too, naming it."""
+    first, last = run_gloo(_failing, 2, tiny, str(tmp_path), FSDP2, unreachable_from_the_last_rank, timeout_s=300)
+    assert last == "ConnectionError: the reward server is down"
+    assert first.startswith("RuntimeError: SparseGRPOTrainer: rank 1 of its CP group failed computing the group's "
+                            "generation batch (ConnectionError: the reward server is down)"), first
 
 
 @pytest.mark.parametrize(("setting", "refusal"), [
