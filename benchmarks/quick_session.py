@@ -266,14 +266,10 @@ def _rows(report: dict, *keys: str) -> list[dict]:
     return [{k: r.get(k) for k in keys} for r in report.get("results", [])]
 
 
-def _step_s(report: dict, variant: str, seq_len: int) -> float | None:
-    return next((r["step_s"] for r in report.get("results", [])
-                 if r["variant"] == variant and r["seq_len"] == seq_len and r["status"] == "ok"), None)
-
-
-def _peak_gib(report: dict, variant: str, seq_len: int) -> float | None:
-    return next((r["peak_gib"] for r in report.get("results", [])
-                 if r["variant"] == variant and r["seq_len"] == seq_len and r["status"] == "ok"), None)
+def _ok_row(report: dict, variant: str, seq_len: int) -> dict:
+    """The result of `variant` at `seq_len` when it ran to the end, else {} (its values then read as None)."""
+    return next((r for r in report.get("results", [])
+                 if r["variant"] == variant and r["seq_len"] == seq_len and r["status"] == "ok"), {})
 
 
 def setting_cost(e2e: dict, changed: dict, default: str, other: str) -> list[dict]:
@@ -284,11 +280,11 @@ def setting_cost(e2e: dict, changed: dict, default: str, other: str) -> list[dic
     lengths = sorted({r["seq_len"] for r in changed.get("results", []) if r["variant"] == "sparse_cp"})
     out = []
     for seq_len in lengths:
-        mine, theirs = _step_s(e2e, "sparse_cp", seq_len), _step_s(changed, "sparse_cp", seq_len)
-        out.append({"seq_len": seq_len, f"{default}_step_s": mine, f"{other}_step_s": theirs,
-                    f"{default}_peak_gib": _peak_gib(e2e, "sparse_cp", seq_len),
-                    f"{other}_peak_gib": _peak_gib(changed, "sparse_cp", seq_len),
-                    f"{default}_share": (mine - theirs) / mine if mine and theirs else None})
+        ours, theirs = _ok_row(e2e, "sparse_cp", seq_len), _ok_row(changed, "sparse_cp", seq_len)
+        mine, other_s = ours.get("step_s"), theirs.get("step_s")
+        out.append({"seq_len": seq_len, f"{default}_step_s": mine, f"{other}_step_s": other_s,
+                    f"{default}_peak_gib": ours.get("peak_gib"), f"{other}_peak_gib": theirs.get("peak_gib"),
+                    f"{default}_share": (mine - other_s) / mine if mine and other_s else None})
     return out
 
 
@@ -301,10 +297,9 @@ def compiled_step(e2e: dict, compiled: dict) -> list[dict]:
     for r in compiled.get("results", []):
         if r["variant"] != "sparse_cp":
             continue
-        seq_len, step = r["seq_len"], _step_s(compiled, "sparse_cp", r["seq_len"])
-        eager, liger = _step_s(e2e, "sparse_cp", seq_len), _step_s(e2e, "sdpa+liger", seq_len)
-        uncompiled = next((x for x in e2e.get("results", [])
-                           if x["variant"] == "sparse_cp" and x["seq_len"] == seq_len and x["status"] == "ok"), {})
+        seq_len, step = r["seq_len"], _ok_row(compiled, "sparse_cp", r["seq_len"]).get("step_s")
+        uncompiled = _ok_row(e2e, "sparse_cp", seq_len)
+        eager, liger = uncompiled.get("step_s"), _ok_row(e2e, "sdpa+liger", seq_len).get("step_s")
         # the same steps on the same tokens from the same init: the losses say whether the compiled model computes
         # what the uncompiled one does (to bf16 rounding)
         losses = list(zip(r.get("losses", []), uncompiled.get("losses", [])))
