@@ -137,14 +137,14 @@ def launched_flags(plugin: PluginArguments, args: Sequence[str], reads_config: b
         return dataclasses.replace(plugin, **{name: values[name] for name in after})
 
 
-def mistyped_plugin_flags(args: Sequence[str], target: str, is_module: bool) -> list[str]:
-    """The flags among `args` (the arguments of the script `target`, a path or with `is_module` a module's name) that
-    read as mistyped plugin flags: of the plugin's first words (`--sparse_*`, `--cp_*`, `--smet*`; dashes read as
-    underscores) and close to one of its flags (`did_you_mean`), yet no flag that the script's parser, extended with
-    the plugin's, takes as far as the launcher can know: no plugin flag nor the start of one (argparse's
-    abbreviation), nor the start of a word of the script's source or of its folder's other modules (`source_words`:
-    a flag of its own, declared there; no field of transformers' `TrainingArguments` or TRL's configs has the
-    plugin's first words). [] without the script's source: its parser alone knows its flags."""
+def mistyped_flags_refusal(args: Sequence[str], target: str, is_module: bool) -> str | None:
+    """Why the launcher refuses the flags among `args` (the arguments of the script `target`, a path or with `is_module`
+    a module's name) that read as mistyped plugin flags: of the plugin's first words (`--sparse_*`, `--cp_*`, `--smet*`;
+    dashes read as underscores) and close to one of its flags (`did_you_mean`), yet no flag that the script's parser,
+    extended with the plugin's, takes as far as the launcher can know: no plugin flag nor the start of one (argparse's
+    abbreviation), nor the start of a word of the script's source or of its folder's other modules (`source_words`: a
+    flag of its own, declared there; no field of transformers' `TrainingArguments` or TRL's configs has the plugin's
+    first words). None when there is none, or without the script's source: its parser alone knows its flags."""
     parser = _SplitParser()
     known = {option[2:].replace("-", "_") for action in parser._actions for option in action.option_strings}
     first_words = {field.name.partition("_")[0] for field in dataclasses.fields(PluginArguments) if field.init}
@@ -158,9 +158,12 @@ def mistyped_plugin_flags(args: Sequence[str], target: str, is_module: bool) -> 
                 and not any(option.startswith(name) for option in known) and did_you_mean(parser, [flag])):
             close.append(flag)
     words = source_words(target, is_module) if close else None
-    if words is None:
-        return []
-    return [flag for flag in close if not any(word.startswith(flag[2:].replace("-", "_")) for word in words)]
+    mistyped = [flag for flag in close if not any(word.startswith(flag[2:].replace("-", "_")) for word in words or ())]
+    if words is None or not mistyped:
+        return None
+    what = "is not a plugin flag, nor one" if len(mistyped) == 1 else "are not plugin flags, nor ones"
+    return (f"{', '.join(mistyped)} after the script's path {what} that {os.path.basename(target)} declares"
+            f"{did_you_mean(parser, mistyped)}")
 
 
 def _trl_command(target: str, is_module: bool) -> bool:
@@ -199,7 +202,7 @@ def check_command(flags: Sequence[str], target: str | None, is_module: bool, opt
     """Exit as argparse ends a bad flag (`usage`, `prog: error: ...`, status 2) naming what the launcher expected
     when `split_command` found no script, the script's path is not a file or not Python (`_not_python`), the module's
     package is not installed, it is TRL's command line, which would train without the plugin, or a flag among its
-    arguments `args` is a mistyped plugin flag (`mistyped_plugin_flags`; nothing to check with `--help`, which lists
+    arguments `args` is a mistyped plugin flag (`mistyped_flags_refusal`; nothing to check with `--help`, which lists
     the flags)."""
     if {"-h", "--help"} & set(flags):
         return
@@ -227,11 +230,9 @@ def check_command(flags: Sequence[str], target: str | None, is_module: bool, opt
     elif is_module and importlib.util.find_spec(package := target.split(".")[0]) is None:
         # (the top-level package only: finding a submodule imports its parents, before the plugin's changes)
         why = f"no module named {package!r} (of -m {target}): install it, or check the name"
-    elif mistyped := mistyped_plugin_flags(args, target, is_module):
+    elif mistyped := mistyped_flags_refusal(args, target, is_module):
         # (else each launched process's parser refused it, the script's own argparse without naming the close flag)
-        what = "is not a plugin flag, nor one" if len(mistyped) == 1 else "are not plugin flags, nor ones"
-        why = (f"{', '.join(mistyped)} after the script's path {what} that {os.path.basename(target)} declares"
-               f"{did_you_mean(_SplitParser(), mistyped)}")
+        why = mistyped
     else:
         return
     # as argparse ends a bad flag: the usage, then `prog: error: ...` on stderr, exit status 2

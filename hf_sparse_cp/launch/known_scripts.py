@@ -97,9 +97,9 @@ def source_words(target: str, is_module: bool) -> set[str] | None:
     source = None if path is None else _read(path)
     if source is None:
         return None
-    folder = pathlib.Path(path).resolve().parent
-    sources = [source] + [_read(str(other)) or "" for other in sorted(folder.glob("*.py"))
-                          if other.resolve() != pathlib.Path(path).resolve()]
+    script = pathlib.Path(path).resolve()
+    sources = [source] + [_read(str(other)) or "" for other in sorted(script.parent.glob("*.py"))
+                          if other.resolve() != script]
     return {word.lstrip("_") for text in sources for word in re.findall(r"\w+", text.replace("-", "_"))}
 
 
