@@ -99,6 +99,11 @@ class _CompiledForward(ReplacedForward):
     """A module's forward through `torch.compile`, one compiled function per class forward (the module an input)."""
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            # (inside a compiled model, --torch_compile: the outer graph compiles this forward with the rest; dynamo
+            # would otherwise trace through the cached `_compiled`, ignoring its cache, with a warning of "potential
+            # silent incorrectness")
+            return self.replaced(*args, **kwargs)
         if self._function is not None:
             return _compiled(self._function)(self.module, *args, **kwargs)
         return _compiled(self._replaced)(*args, **kwargs)
