@@ -158,8 +158,10 @@ def mistyped_flags_refusal(args: Sequence[str], target: str, is_module: bool) ->
                 and not any(option.startswith(name) for option in known) and did_you_mean(parser, [flag])):
             close.append(flag)
     words = source_words(target, is_module) if close else None
-    mistyped = [flag for flag in close if not any(word.startswith(flag[2:].replace("-", "_")) for word in words or ())]
-    if words is None or not mistyped:
+    if words is None:
+        return None
+    mistyped = [flag for flag in close if not any(word.startswith(flag[2:].replace("-", "_")) for word in words)]
+    if not mistyped:
         return None
     what = "is not a plugin flag, nor one" if len(mistyped) == 1 else "are not plugin flags, nor ones"
     return (f"{', '.join(mistyped)} after the script's path {what} that {os.path.basename(target)} declares"
@@ -230,9 +232,9 @@ def check_command(flags: Sequence[str], target: str | None, is_module: bool, opt
     elif is_module and importlib.util.find_spec(package := target.split(".")[0]) is None:
         # (the top-level package only: finding a submodule imports its parents, before the plugin's changes)
         why = f"no module named {package!r} (of -m {target}): install it, or check the name"
-    elif mistyped := mistyped_flags_refusal(args, target, is_module):
+    elif refusal := mistyped_flags_refusal(args, target, is_module):
         # (else each launched process's parser refused it, the script's own argparse without naming the close flag)
-        why = mistyped
+        why = refusal
     else:
         return
     # as argparse ends a bad flag: the usage, then `prog: error: ...` on stderr, exit status 2
