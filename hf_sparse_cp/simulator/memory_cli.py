@@ -224,11 +224,12 @@ def architecture(args: argparse.Namespace) -> Architecture:
     return Architecture.from_config(read_config(args.config), model_name(args), f"--config {args.config}")
 
 
-def predict(args: argparse.Namespace, capacity: float) -> dict:
+def predict(args: argparse.Namespace, capacity: float, arch: Architecture | None = None) -> dict:
     """The command's answer for its parsed `args` on a GPU of `capacity` bytes: the longest length that fits (and
     the longest whose peak fits even at the top of `MEASURED_BAND`) and the predicted step at it and at
-    `args.seq_len` (what `main` prints and `memory_table` tabulates)."""
-    arch = architecture(args)
+    `args.seq_len` (what `main` prints and `memory_table` tabulates); `arch`: `architecture(args)` where the caller
+    built it already (a config's is measured on its model)."""
+    arch = architecture(args) if arch is None else arch
     settings = settings_for_length(args, arch)
     budget = args.usable_fraction * capacity
     longest = longest_fitting_length(arch, budget, settings, granularity=GRANULARITY, limit=SEARCH_LIMIT)
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
         predict_step_memory(arch, 1024, settings(1024))  # and them on this model (a head split its heads allow)
     except (ValueError, OSError) as e:
         parser.error(str(e))
-    report = predict(args, capacity)
+    report = predict(args, capacity, arch)
     budget, longest = report["usable_bytes"], report["longest_fitting_tokens"]
     if args.json:
         write_output(Path(args.json), json.dumps(report, indent=2) + "\n")

@@ -26,7 +26,7 @@ layouts, estimation buffers, CP ring buffers, ...).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -57,6 +57,30 @@ TERMS = (
 # --------------------------------------------------------------------------------------------- inputs
 
 
+class _SavedByDtype(Mapping[str, tuple[LayerSaved, ...]]):
+    """`shapes.layer_saved` of the meta-device `model` for each activation dtype of `DTYPE_BYTES`, measured at its
+    first lookup (a dtype's is three forwards of the whole model: an 8B config's three dtypes took 5 s, and a
+    prediction reads one); bfloat16's at once, so that a model the measurement refuses is refused when it is read."""
+
+    def __init__(self, model: torch.nn.Module, kv_heads: int, where: str) -> None:
+        self._model, self._kv_heads, self._where = model, kv_heads, where
+        self._measured: dict[str, tuple[LayerSaved, ...]] = {}
+        self["bfloat16"]  # noqa: B018 (measured for its errors)
+
+    def __getitem__(self, dtype: str) -> tuple[LayerSaved, ...]:
+        if dtype not in DTYPE_BYTES:
+            raise KeyError(dtype)
+        if dtype not in self._measured:
+            self._measured[dtype] = layer_saved(self._model, getattr(torch, dtype), self._kv_heads, self._where)
+        return self._measured[dtype]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(DTYPE_BYTES)
+
+    def __len__(self) -> int:
+        return len(DTYPE_BYTES)
+
+
 @dataclass(frozen=True)
 class Architecture:
     """A decoder's shape as its memory depends on it: `ModelShape` (layers, hidden, heads, the MLP's form, ...) plus
@@ -66,7 +90,8 @@ class Architecture:
     the Llama-like families, `LEAN_LOSS_FAMILIES`) or its stock forward's [tokens, vocab] logits; the elements of
     its largest parameter where that is not the embedding (`largest_param`: GPT-2's learned positions; 0: none);
     what each decoder layer saves for backward besides its attention core and MLP, measured on the model by
-    activation dtype (`layer_saved`: `shapes.LayerSaved`; None: a Llama layer's, counted on its code)."""
+    activation dtype (`layer_saved`: `shapes.LayerSaved`, measured when first read; None: a Llama layer's, counted
+    on its code)."""
 
     shape: ModelShape
     tied_embeddings: bool
@@ -74,7 +99,7 @@ class Architecture:
     model_extra: int
     lean_loss: bool = True
     largest_param: int = 0
-    layer_saved: dict[str, tuple[LayerSaved, ...]] | None = None
+    layer_saved: Mapping[str, tuple[LayerSaved, ...]] | None = None
 
     @property
     def name(self) -> str:
@@ -129,7 +154,7 @@ class Architecture:
         total = sum(p.numel() for p in model.parameters())
         rest = total - shape.layers * layer - (1 if tied else 2) * shape.vocab * shape.hidden
         largest = max(p.numel() for p in model.parameters())
-        saved = {dtype: layer_saved(model, getattr(torch, dtype), kv_heads, where) for dtype in DTYPE_BYTES}
+        saved = _SavedByDtype(model, kv_heads, where)
         return cls(shape, tied, layer - shape.layer_params, rest, lean,
                    largest if largest > shape.vocab * shape.hidden else 0, saved)
 

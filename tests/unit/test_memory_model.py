@@ -201,10 +201,26 @@ def test_a_layers_saved_tensors_are_measured_whatever_the_releases_rule_for_grou
 
     config = tiny_config("llama", vocab_size=300)
     assert config.num_key_value_heads < config.num_attention_heads
-    expected = Architecture.from_config(config).layer_saved
+    expected = dict(Architecture.from_config(config).layer_saved)  # (every dtype's, measured before the change)
     monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", release_rule)
-    assert Architecture.from_config(config).layer_saved == expected
+    assert dict(Architecture.from_config(config).layer_saved) == expected
     assert sdpa_attention.use_gqa_in_sdpa is release_rule  # (restored after the measurement)
+
+
+def test_a_configs_saved_bytes_are_measured_for_the_dtype_a_prediction_reads():
+    """`hf-sparse-cp memory --config` measured what the layers save in all three activation dtypes, and built the
+    model twice (5 s of an 8B config's 8): bfloat16's is measured at once (a model the measurement refuses is refused
+    there), another dtype's when a prediction first reads it, equal to that dtype's measurement alone."""
+    from hf_sparse_cp.simulator.shapes import layer_saved, meta_model
+
+    config = tiny_config("qwen2", vocab_size=300)
+    arch = Architecture.from_config(config)
+    assert list(arch.layer_saved._measured) == ["bfloat16"]
+    predict_step_memory(arch, 1024, StepSettings(dtype="float32", device="cpu"))
+    assert sorted(arch.layer_saved._measured) == ["bfloat16", "float32"]
+    alone = layer_saved(meta_model(config, "qwen2"), torch.float32, config.num_key_value_heads, "qwen2")
+    assert arch.layer_saved["float32"] == alone and arch.layer_saved["float32"] != arch.layer_saved["bfloat16"]
+    assert len(arch.layer_saved) == 3 and "int8" not in arch.layer_saved
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
