@@ -280,11 +280,11 @@ def setting_cost(e2e: dict, changed: dict, default: str, other: str) -> list[dic
     lengths = sorted({r["seq_len"] for r in changed.get("results", []) if r["variant"] == "sparse_cp"})
     out = []
     for seq_len in lengths:
-        ours, theirs = _ok_row(e2e, "sparse_cp", seq_len), _ok_row(changed, "sparse_cp", seq_len)
-        mine, other_s = ours.get("step_s"), theirs.get("step_s")
-        out.append({"seq_len": seq_len, f"{default}_step_s": mine, f"{other}_step_s": other_s,
-                    f"{default}_peak_gib": ours.get("peak_gib"), f"{other}_peak_gib": theirs.get("peak_gib"),
-                    f"{default}_share": (mine - other_s) / mine if mine and other_s else None})
+        default_row, other_row = _ok_row(e2e, "sparse_cp", seq_len), _ok_row(changed, "sparse_cp", seq_len)
+        mine, theirs = default_row.get("step_s"), other_row.get("step_s")
+        out.append({"seq_len": seq_len, f"{default}_step_s": mine, f"{other}_step_s": theirs,
+                    f"{default}_peak_gib": default_row.get("peak_gib"), f"{other}_peak_gib": other_row.get("peak_gib"),
+                    f"{default}_share": (mine - theirs) / mine if mine and theirs else None})
     return out
 
 
