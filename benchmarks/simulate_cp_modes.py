@@ -15,10 +15,12 @@ For every model, sequence length, GPU count (one CP group: 8 = one node, 32 = fo
   when the GPUs outnumber the query heads;
 * hybrid hN: heads over N GPUs of a node, the ring across the CP / N head groups.
 
-Sparse kernels are costed with FlexAttention's measured per-row cost ("flex") and without it ("block-only",
-the bound `simulate_cluster.py` also reports). The check: Qwen3-8B at 1,048,576 tokens on one node of 8
-H100s, FSDP2 + CP 8, dense; TRL measured 364 s per step (published; the research note). Nothing runs on
-a GPU: these are predictions from the simulator's calibration (sources in the JSON).
+Sparse kernels are costed by default with FlexAttention's measured per-row cost ("flex") and without it
+("block-only", the bound `simulate_cluster.py` also reports), the kernels of the committed results;
+`--kernels ours` prices them with the plugin's kernels as measured on an H100 (`hf-sparse-cp simulate`'s default).
+The check: Qwen3-8B at 1,048,576 tokens on one node of 8 H100s, FSDP2 + CP 8, dense; TRL measured 364 s per step
+(published; the research note). Nothing runs on a GPU: these are predictions from the simulator's calibration
+(sources in the JSON).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from hf_sparse_cp.simulator.head_parallel import predict_head_parallel_step
 from hf_sparse_cp.simulator.shapes import MODELS
 from hf_sparse_cp.simulator.simulate import CONFIGURATIONS
 from hf_sparse_cp.simulator.simulate_cli import head_group_setup, sequence_workload
-from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, predict_step
+from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, SPARSE_KERNELS, predict_step
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK = 128
@@ -44,7 +46,6 @@ TRL = {"model": "qwen3-8b", "seq": 1048576, "gpus": 8, "measured_step_s": 364.0,
        "source": "TRL long-context guide (TRL PRs #6845/#6846), reported: Qwen3-8B, 1,048,576 tokens, one 8xH100 "
                  "node, bf16, batch 1, FSDP2 + CP 8 (torch CP, SDPA), chunked NLL loss, gradient-checkpointing "
                  "offload: 364 s per step, 56.2 GB per GPU"}
-KERNELS = {"flex": {"sparse_row_costs": True}, "block-only": {"sparse_row_costs": False}}
 # (mode, kind) -> the simulator's ring configuration (its hierarchical ring is a sparse one)
 RINGS = {("ring", "dense"): "dense ring", ("ring", "sparse"): "striped sparse",
          ("ring hier.", "sparse"): "hierarchical striped sparse"}
@@ -58,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, nargs="+", default=[8, 32], help="CP degree (one CP group, GPUs of 8-GPU nodes)")
     p.add_argument("--heads", type=int, nargs="+", default=[2, 4, 8], help="hybrid head-group sizes tried")
     p.add_argument("--density", type=float, default=0.063, help="kept fraction of a sparse layout's causal blocks")
+    p.add_argument("--kernels", nargs="+", default=["flex", "block-only"], choices=list(SPARSE_KERNELS),
+                   help="what the sparse kernels cost (step_model.SPARSE_KERNELS), a row each")
     p.add_argument("--verticals", type=int, default=1000)
     p.add_argument("--sink", type=int, default=32)
     p.add_argument("--spread", type=float, default=1.0, help="as simulate_cluster.py's --spread")
@@ -88,7 +91,7 @@ def predict(model_name: str, seq: int, gpus: int, kind: str, mode: str, head_siz
         return []
     rows = []
     for kernel, hw in hardware.items():
-        if kind == "dense" and kernel != "flex":
+        if kind == "dense" and kernel != next(iter(hardware)):  # (a dense layout's row, once)
             continue
         row = {**base, "kernel": kernel if kind == "sparse" else "cudnn"}
         try:
@@ -133,7 +136,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    hardware = {k: HARDWARE[CLUSTER](dense_kernel="cudnn", **v) for k, v in KERNELS.items()}
+    hardware = {k: HARDWARE[CLUSTER](dense_kernel="cudnn", sparse_kernel=k) for k in dict.fromkeys(args.kernels)}
     per_node = CLUSTERS[CLUSTER].gpus_per_node
     rows = []
     for seq in args.seq:
@@ -151,7 +154,8 @@ def main(argv=None) -> dict:
     report = {"what": "predicted training-step seconds (simulation, not a measurement) of one sequence per CP group: "
                       "ring vs head-parallel (ulysses) vs hybrid",
               "created": datetime.now(UTC).isoformat(timespec="seconds"), "machine_that_simulated": environment(),
-              "cluster": CLUSTER, "args": vars(args), "calibration": hardware["flex"].sources, "rows": rows}
+              "cluster": CLUSTER, "args": vars(args), "calibration": next(iter(hardware.values())).sources,
+              "rows": rows}
     if not args.no_check:
         workload = sequence_workload(args, TRL["seq"])
         checks = []

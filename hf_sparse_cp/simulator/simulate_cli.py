@@ -24,8 +24,9 @@ patterns (the library's selection from random scores at the default budgets; doc
 than `min_seq_len` dense) built in every split's own order; the dense ring attends causally
 within documents.
 
-Sparse kernels are costed twice: with FlexAttention's measured per-row cost ("flex"), and with its
-per-block cost only ("block-only", a bound for a kernel without per-row overhead).
+Sparse rings are costed with our kernels as measured on an H100 ("ours", the default); `--sparse-kernels` (or
+`--all`) adds FlexAttention on block layouts as measured ("flex") and its per-block cost alone ("block-only", a bound
+for a kernel without per-row overhead).
 
     hf-sparse-cp simulate                        # Qwen2.5-3B on 8xH100 nodes + MTraining's setting
     hf-sparse-cp simulate --model qwen2.5-7b --cluster 8xA100-IB200 --seq 262144 --cp 8 16
@@ -74,7 +75,15 @@ from .head_parallel import head_parallel_setup, predict_head_parallel_step
 from .kept_curve import DEFAULT_CURVE, KeptAt, KeptCurve
 from .shapes import MODELS, ModelShape
 from .simulate import CONFIGURATIONS, Cluster, RingSetup, Workload
-from .step_model import CLUSTERS, HARDWARE, predict_step, ring_counts, with_causal_layout
+from .step_model import (
+    BOUND_KERNELS,
+    CLUSTERS,
+    HARDWARE,
+    SPARSE_KERNELS,
+    predict_step,
+    ring_counts,
+    with_causal_layout,
+)
 from .workloads import (
     MIXES,
     document_scores,
@@ -90,8 +99,6 @@ MTRAINING = {"model": "qwen2.5-3b", "cluster": "8xA100-IB200", "seq": 524288, "c
              "source": "MTraining (arXiv 2510.18830), reported: up to 6x training throughput vs dense ring attention, "
                        "Qwen2.5-3B at 512K on 32 A100s (zigzag variant 2.9x, without hierarchy 4.6x); "
                        "their reported 93.7% sparsity is simulated as density 0.063"}
-KERNELS = {"flex": {"sparse_row_costs": True}, "block-only": {"sparse_row_costs": False}}
-BOUNDS = ("block-only",)  # the kernels of KERNELS whose rows are bounds
 # The command's peak memory per (query block, key block) pair of one sequence, whose layouts it holds whole: the
 # causal layout's, or per layout head where those weigh more. Measured as the peak resident memory of
 # `hf-sparse-cp simulate --cp 8 --no-mtraining` above the interpreter's own 0.55 GB: 1.33 GB at 512K tokens and
@@ -123,6 +130,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    "prediction for MTraining's published setting.")
     p.add_argument("--mtraining", action=argparse.BooleanOptionalAction, default=None,
                    help="Also predict MTraining's published setting (Qwen2.5-3B, 512K, 32 A100s; default: with --all).")
+    p.add_argument("--sparse-kernels", nargs="+", default=None, choices=list(SPARSE_KERNELS),
+                   help="What the sparse rings' kernels cost: 'ours' (the plugin's kernels, measured on an H100), "
+                   "'flex' (FlexAttention on block layouts, measured), 'block-only' (FlexAttention's per-block cost "
+                   "alone: a bound); each a row of its own (default: ours; with --all, every one).")
     p.add_argument("--dense-kernel", default="cudnn", choices=["cudnn", "fa2"],
                    help="The dense ring's kernel (SDPA cuDNN or FlashAttention-2, both measured in anchors.md).")
     p.add_argument("--density", type=fraction, default=None,
@@ -163,6 +174,7 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.configs = args.configs or (list(CONFIGURATIONS) if args.all else list(DEFAULT_CONFIGS))
     args.mtraining = args.all if args.mtraining is None else args.mtraining
+    args.sparse_kernels = tuple(dict.fromkeys(args.sparse_kernels or (SPARSE_KERNELS if args.all else ("ours",))))
     _check_lengths(p, args.seq, args.layout_heads)
     for seq in args.seq:
         try:
@@ -309,10 +321,10 @@ def workload_for(args, seq: int, model: ModelShape) -> Workload:
 
 
 def simulate(args, model_name: str, model: ModelShape, cluster: Cluster, hardware_of, seqs: list[int],
-             cps: list[int], configs: list[str], dense_kernel: str, kernels: tuple[str, ...] = ("flex",)) -> list[dict]:
+             cps: list[int], configs: list[str], dense_kernel: str, kernels: tuple[str, ...] = ("ours",)) -> list[dict]:
     """The predicted rows, printed as they come: each sparse configuration with each of `kernels` (keys of
-    `KERNELS`; 'block-only' rows are bounds, labelled so), the dense ring with `dense_kernel`."""
-    hardware = {k: hardware_of(dense_kernel=dense_kernel, **KERNELS[k]) for k in kernels}
+    `SPARSE_KERNELS`; 'block-only' rows are bounds, labelled so), the dense ring with `dense_kernel`."""
+    hardware = {k: hardware_of(dense_kernel=dense_kernel, sparse_kernel=k) for k in kernels}
     windows = {w for w in model.windows if w is not None}  # (a config's sliding layers share its sliding_window)
     if len(windows) > 1:
         raise ValueError(f"{model_name}: sliding windows of {sorted(windows)} tokens; the simulator charges one "
@@ -342,7 +354,7 @@ def simulate(args, model_name: str, model: ModelShape, cluster: Cluster, hardwar
                     if setup.sparse and args.dense_first_layers else None
                 sliding = with_causal_layout(setup, workload.layout("dense", setup.plan, window)) if window else None
                 for kernel, hw in hardware.items():
-                    if not setup.sparse and kernel != "flex":
+                    if not setup.sparse and kernel != kernels[0]:  # (the dense ring's row, once)
                         continue
                     if in_mode:
                         r = predict_head_parallel_step(setup, model, hw, cluster, head_size=head_size,
@@ -357,7 +369,8 @@ def simulate(args, model_name: str, model: ModelShape, cluster: Cluster, hardwar
                     if target is not None and setup.sparse:
                         r.update(kept_target=target.kept, kept_basis=target.basis, kept_source=target.source)
                     r.update(model=model_name, cluster=cluster.name, seq=seq, cp=cp, config=name,
-                             kernel=kernel if setup.sparse else dense_kernel, bound=setup.sparse and kernel in BOUNDS,
+                             kernel=kernel if setup.sparse else dense_kernel,
+                             bound=setup.sparse and kernel in BOUND_KERNELS,
                              mix=args.mix or "one sequence",
                              documents=len(workload.lengths), local_blocks=[int(b.numel()) for b in
                                                                            setup.plan.rank_blocks])
@@ -431,8 +444,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             sel = sorted((r for r in rows if (r["seq"], r["config"], r["kernel"]) == (seq, config, kernel)),
                          key=lambda r: r["cp"])
             cps = [r["cp"] for r in sel]
-            style = "--" if kernel == "block-only" else "-"
-            label = f"{row_label(sel[0])} ({kernel}{', bound' if kernel in BOUNDS else ''})"
+            style = {"ours": "-", "flex": ":"}.get(kernel, "--")
+            label = f"{row_label(sel[0])} ({kernel}{', bound' if kernel in BOUND_KERNELS else ''})"
             kw = {"marker": "o", "label": label, "color": colors[config]}
             axes[0, j].plot(cps, [r["tokens_per_s"] / 1e3 for r in sel], style, **kw)
             axes[1, j].plot(cps, [r["speedup_vs_dense_ring"] for r in sel], style, **kw)
@@ -474,15 +487,15 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
         f"CP {cp} runs {mode.name}" + (f" (heads over {h} GPUs" + (f", a ring of {cp // h} across them)" if h < cp
                                                                   else ")") if h > 1 else "")
         for cp, (mode, h) in layouts.items()) + "; the dense ring is every mode's baseline")
-    kernels = tuple(KERNELS) if args.all else ("flex",)
-    if args.all:
+    kernels = args.sparse_kernels
+    if set(kernels) & set(BOUND_KERNELS):
         print(BOUND_NOTE)
     print(HEADER)
     rows = simulate(args, name, model, cluster, hardware_of, args.seq, args.cp, args.configs, args.dense_kernel,
                     kernels)
     if not args.all:
-        print("(the rows asked for; --all: every configuration, its block-only bound and MTraining's setting)")
-    hw = hardware_of(dense_kernel=args.dense_kernel)
+        print("(the rows asked for; --all: every configuration, every sparse kernel's cost and MTraining's setting)")
+    hw = hardware_of(dense_kernel=args.dense_kernel, sparse_kernel=kernels[0])
     report = {
         "what": "predicted training-step time (simulation, not a measurement) of one sequence per CP group",
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -507,7 +520,7 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
             mt_args = {**vars(args), "mix": None, "density": args.density or m["density"]}
             mt += simulate(argparse.Namespace(**mt_args), m["model"], MODELS[m["model"]], CLUSTERS[m["cluster"]],
                            HARDWARE[m["cluster"]], [m["seq"]], [m["cp"]], list(CONFIGURATIONS), dense_kernel,
-                           tuple(KERNELS))
+                           tuple(SPARSE_KERNELS))
         report["mtraining"] = {**m, "rows": mt}
     cluster_tag = args.cluster + ("_custom" if custom_parts(args) else "")
     file_name = f"simulate-cluster_{name}_{cluster_tag}" + (f"_{args.mix}" if args.mix else "") + ".json"
@@ -534,8 +547,9 @@ ASSUMPTIONS = [
     "or extrapolated) unless --density gives one; layout-heads heads stand for all heads (work scaled, bytes from "
     "their union)",
     "the first --dense-first-layers layers run the ring over the causal layout with the same kernel, no estimation",
-    "compute per ring step = linear cost model of its work (per row, per block pair), calibrated on H100 "
-    "FlexAttention / cuDNN / FA2 at head_dim 128, scaled by head_dim; no kernel launch gaps",
+    "compute per ring step = linear cost model of its work (per row, per block pair; the key columns' pairs at the "
+    "block pairs' cost), calibrated on H100 measurements of the sparse kernel of the row (ours or FlexAttention) and "
+    "of cuDNN / FA2 at head_dim 128, scaled by head_dim; no kernel launch gaps",
     "transfers: latency + bytes / bandwidth per link, NVLink inside a node and InfiniBand across; a rank's sends of "
     "one slot on one kind of link go one after the other; receivers' links and collectives do not contend",
     "ring collectives (all-gather, all-reduce) at the slowest link of the group",

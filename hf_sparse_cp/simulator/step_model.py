@@ -76,6 +76,27 @@ H100_FLEX = [(32768, 0.10, 1.14, 10.8), (32768, 0.05, 0.65, 9.7), (65536, 0.10, 
              (131072, 0.20, 33.6, 129.5), (131072, 0.10, 17.2, 75.3), (131072, 0.05, 9.0, 54.2)]
 H100_DENSE = {"cudnn": [(32768, 1.0, 7.1, 28.6), (65536, 1.0, 28.3, 110.8), (131072, 1.0, 128.1, 464.9)],
               "fa2": [(32768, 1.0, 12.8, 46.7), (65536, 1.0, 49.6, 187.4), (131072, 1.0, 221.9, 762.3)]}
+# Our kernels (bench_attention's `ours`: the Triton forward, dq and dk/dv kernels over vertical-slash layouts of 1000
+# key columns), measured on one H100 80GB at the shapes above: (S, computed pairs over the causal pairs, fwd+bwd ms).
+# The run timed fwd+bwd only; the forward's share is the H200's (same SM count and clocks, one 128K layout, each
+# kernel timed alone by the tiles stage: forward 13.02 ms, backward 33.06 ms).
+OURS_RESULTS = ("benchmarks/results/attention_nvidia-h100-80gb-hbm3_20261127-120941.json",
+                "benchmarks/results/tiles_nvidia-h200_20261204-165514.json")
+H100_OURS_FWD_BWD = [(32768, 0.0492, 6.21), (32768, 0.2014, 13.04), (32768, 1.0, 44.31), (131072, 0.0504, 43.76),
+                     (131072, 0.2003, 150.05), (131072, 1.0, 684.08)]
+OURS_FORWARD_SHARE = 13.02 / (13.02 + 33.06)
+H100_OURS = [(s, d, t * OURS_FORWARD_SHARE, t) for s, d, t in H100_OURS_FWD_BWD]
+# The sparse kernels a sparse ring can be priced with: rows of measurements, and whether their per-row cost is kept
+# (False: FlexAttention's per-block cost alone, a bound for a kernel without per-row overhead, not a measurement).
+SPARSE_KERNELS = {"ours": (H100_OURS, True), "flex": (H100_FLEX, True), "block-only": (H100_FLEX, False)}
+BOUND_KERNELS = ("block-only",)
+_SPARSE_SOURCES = {
+    "ours": f"{OURS_RESULTS[0]}: our kernels (`ours`) on vertical-slash layouts, H100, S 32K-128K, 5%-100% of the "
+            f"causal pairs computed (measured, fwd+bwd); forward share {OURS_FORWARD_SHARE:.3f} from {OURS_RESULTS[1]} "
+            "(H200, measured)",
+    "flex": f"{ANCHORS}: FlexAttention on block layouts, H100, S 32K-128K, density 0.05-0.20 (measured)",
+}
+_SPARSE_SOURCES["block-only"] = _SPARSE_SOURCES["flex"]
 # anchors.md (measured): Qwen2.5 shapes, liger-kernel, gradient checkpointing, sdpa, one sequence: (S, step s).
 H100_LIGER = {"qwen2.5-0.5b": [(32768, 0.78), (65536, 2.45), (131072, 8.75), (262144, 34.3)],
               "qwen2.5-1.5b": [(32768, 1.46), (65536, 4.34), (131072, 15.0), (262144, 55.7)]}
@@ -116,15 +137,19 @@ def fit_linear(model: ModelShape, steps: list[tuple[int, float]]) -> tuple[float
     return rate, float(((x @ coef - y) / y).abs().max())
 
 
-def h100(*, dense_kernel: str = "cudnn", sparse_row_costs: bool = True) -> Hardware:
-    """The H100 calibration from anchors.md (see `sources` for each figure and its fit error).
+def h100(*, dense_kernel: str = "cudnn", sparse_kernel: str = "ours") -> Hardware:
+    """The H100 calibration from measurements (see `sources` for each figure and its fit error).
 
     dense_kernel: the dense ring's kernel, 'cudnn' (SDPA cuDNN, the fastest measured) or 'fa2'
-    (SDPA flash, FlashAttention-2). sparse_row_costs: keep FlexAttention's per-row cost (as
-    measured); False keeps only its per-block cost, what a sparse kernel without per-row overhead
-    would reach (a bound, not a measurement of one)."""
-    sf, sb, s_err = fit_kernel(H100_FLEX, with_rows=True)
-    if not sparse_row_costs:
+    (SDPA flash, FlashAttention-2). sparse_kernel: what the sparse rings run (`SPARSE_KERNELS`): 'ours'
+    (the plugin's kernels, as measured), 'flex' (FlexAttention on block layouts, as measured) or
+    'block-only' (FlexAttention's per-block cost alone, what a sparse kernel without per-row overhead
+    would reach: a bound, not a measurement of one)."""
+    if sparse_kernel not in SPARSE_KERNELS:
+        raise ValueError(f"sparse_kernel={sparse_kernel!r}: use one of {sorted(SPARSE_KERNELS)}.")
+    rows, row_costs = SPARSE_KERNELS[sparse_kernel]
+    sf, sb, s_err = fit_kernel(rows, with_rows=True)
+    if not row_costs:
         sf, sb = replace(sf, row=0.0), replace(sb, row=0.0)
     df, db, d_err = fit_kernel(H100_DENSE[dense_kernel], with_rows=False)
     rates = {name: fit_linear(MODELS[name], steps) for name, steps in H100_LIGER.items()}
@@ -134,9 +159,8 @@ def h100(*, dense_kernel: str = "cudnn", sparse_row_costs: bool = True) -> Hardw
     return Hardware(
         "H100", sf, sb, df, db, linear, attn_flops, 1.1e-3,
         sources={
-            "sparse attention": f"{ANCHORS}: FlexAttention on block layouts, H100, S 32K-128K, density 0.05-0.20 "
-                                f"(measured); per-row + per-block least squares, worst error {s_err:.0%}"
-                                + ("" if sparse_row_costs else "; per-row cost dropped (bound)"),
+            "sparse attention": f"{_SPARSE_SOURCES[sparse_kernel]}; per-row + per-block least squares, worst error "
+                                f"{s_err:.0%}" + ("" if row_costs else "; per-row cost dropped (bound)"),
             "dense attention": f"{ANCHORS}: SDPA {dense_kernel} causal, H100, S 32K-128K (measured); per-block "
                                f"least squares, worst error {d_err:.0%}",
             "linear layers": f"{ANCHORS}: liger-kernel training steps, Qwen2.5-0.5B/1.5B, S 32K-256K, H100 "

@@ -12,8 +12,9 @@ from hf_sparse_cp.simulator.simulate import CONFIGURATIONS
 
 def test_simulate_command(tmp_path, monkeypatch, capsys):
     """`hf-sparse-cp simulate` writes its rows, their sources and a plot into the current directory (tiny sizes):
-    by default the rows of the question (the dense ring and the plugin's default sparse ring), with --all every
-    configuration and its block-only bound, labelled as a bound (issue #52)."""
+    by default the rows of the question (the dense ring and the plugin's default sparse ring, priced with our
+    kernels' measured costs), with --all every configuration, also priced with FlexAttention's costs and at its
+    block-only bound, labelled as a bound (issues #52, #50)."""
     import json
 
     from hf_sparse_cp.cli import main
@@ -26,17 +27,20 @@ def test_simulate_command(tmp_path, monkeypatch, capsys):
     report = json.loads(out.read_text())
     rows = report["rows"]
     assert [(r["config"], r["kernel"], r["cp"]) for r in rows] == [
-        ("dense ring", "cudnn", 8), ("striped sparse", "flex", 8), ("dense ring", "cudnn", 16),
-        ("striped sparse", "flex", 16)] and "mtraining" not in report
+        ("dense ring", "cudnn", 8), ("striped sparse", "ours", 8), ("dense ring", "cudnn", 16),
+        ("striped sparse", "ours", 16)] and "mtraining" not in report
     assert all(r["speedup_vs_dense_ring"] == 1.0 for r in rows if r["config"] == "dense ring")
     assert all(r["step_s"] > 0 and 0.0 <= r["comm_share"] < 1.0 for r in rows)
-    assert "anchors.md" in report["calibration"]["sources"]["sparse attention"]
+    assert "attention_nvidia-h100" in report["calibration"]["sources"]["sparse attention"]
+    assert "anchors.md" in report["calibration"]["sources"]["dense attention"]
     assert report["cluster"]["inter"]["source"]
     capsys.readouterr()
     every = main(["simulate", "--seq", "32768", "--cp", "8", "--layout-heads", "1", "--all", "--no-mtraining"])
     printed = capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert every == 0 and {r["config"] for r in rows} == set(CONFIGURATIONS)
+    assert {r["kernel"] for r in rows if r["config"] != "dense ring"} == {"ours", "flex", "block-only"}
+    assert sum(r["config"] == "dense ring" for r in rows) == 1
     bounds = [r for r in rows if r["bound"]]
     assert bounds and all(r["kernel"] == "block-only" for r in bounds)
     assert printed.count("block-only (bound)") == len(bounds) and "an optimistic bound, not a prediction" in printed
@@ -125,8 +129,8 @@ def test_simulate_cluster_script_on_a_packed_mix(tmp_path, monkeypatch):
     report = module.main(["--seq", "65536", "--cp", "8", "--mix", "long-tail", "--no-mtraining", "--configs",
                           "dense ring", "striped sparse", "planner sparse", "--json", str(tmp_path / "mix.json")])
     rows = {(r["config"], r["kernel"]): r for r in report["rows"]}
-    assert set(rows) == {("dense ring", "cudnn"), ("striped sparse", "flex"), ("striped sparse", "block-only"),
-                         ("planner sparse", "flex"), ("planner sparse", "block-only")}
+    assert set(rows) == {("dense ring", "cudnn"), *((config, kernel) for config in ("striped sparse", "planner sparse")
+                                                    for kernel in ("ours", "flex", "block-only"))}
     documents = len(mix_lengths("long-tail", 65536, 0))
     assert documents > 1 and all(r["documents"] == documents for r in rows.values())
     planner, striped = rows[("planner sparse", "flex")], rows[("striped sparse", "flex")]

@@ -1,7 +1,9 @@
 """The cluster simulator counts what the ring executes and times its schedule as the analytic answers say."""
 
 import dataclasses
+import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +27,16 @@ from hf_sparse_cp.simulator.simulate import (
     simulate_ring,
 )
 from hf_sparse_cp.simulator.step_model import (
+    BOUND_KERNELS,
     CLUSTERS,
+    H100_OURS,
+    H100_OURS_FWD_BWD,
     HARDWARE,
+    OURS_FORWARD_SHARE,
+    OURS_RESULTS,
+    SPARSE_KERNELS,
+    _units,
+    h100,
     layer_time,
     predict_step,
     ring_counts,
@@ -238,6 +248,55 @@ def test_kernel_costs_scale_with_the_models_heads():
     work = plan_work(layout, plan, RingTopology(1, W))
     costs = KernelCosts(call=1.0, row=0.0, block=2.0, slot=0.0)
     assert torch.allclose(costs.time(work, heads=8), work.calls + 2.0 * 4 * work.blocks)
+
+
+def test_our_kernels_are_priced_from_the_committed_measurements():
+    """The rows `ours` is fitted to are those of the committed H100 run (S, computed pairs over the causal pairs of
+    its 16 heads, fwd+bwd ms), its forward share the H200 tiles stage's (forward against the launched backward)."""
+    root = Path(__file__).resolve().parents[2]
+    attention, tiles = (json.loads((root / path).read_text()) for path in OURS_RESULTS)
+    assert attention["device"].startswith("NVIDIA H100") and tiles["device"] == "NVIDIA H200"
+    heads, bs = attention["settings"]["num_q_heads"], attention["settings"]["block_size"]
+    causal = {s: bs * bs * (s // bs) * (s // bs + 1) / 2 for s in attention["settings"]["seq_lens"]}
+    measured = [(r["seq_len"], round(r["pairs"] / heads / causal[r["seq_len"]], 4), round(r["fwd_bwd_ms"], 2))
+                for r in attention["results"] if r["variant"] == "ours"]
+    assert measured == H100_OURS_FWD_BWD
+    launched = {r["kernel"]: r["ms"] for r in tiles["results"]
+                if r["current"] and r["kernel"] in ("forward", "columns")}
+    assert OURS_FORWARD_SHARE == pytest.approx(launched["forward"] / (launched["forward"] + launched["columns"]),
+                                               abs=1e-3)
+
+
+@pytest.mark.parametrize("kernel", list(SPARSE_KERNELS))
+def test_each_sparse_kernel_reproduces_its_measurements_within_the_error_its_source_states(kernel):
+    rows, _ = SPARSE_KERNELS[kernel]
+    hw = h100(sparse_kernel=kernel)
+    worst = float(re.search(r"worst error (\d+)%", hw.sources["sparse attention"]).group(1)) / 100 + 0.005
+    for s, density, fwd_ms, total_ms in rows:
+        units, blocks = _units(s, density)
+        per_head = [c.row * units + c.block * blocks for c in (hw.sparse_fwd, hw.sparse_bwd)]
+        predicted = 16 * 1e3 * sum(per_head)
+        if kernel in BOUND_KERNELS:  # (the per-block cost alone: under every measurement)
+            assert hw.sparse_fwd.row == hw.sparse_bwd.row == 0.0 and predicted < total_ms
+        else:
+            assert abs(predicted / total_ms - 1) <= worst
+            assert 16 * 1e3 * per_head[0] == pytest.approx(fwd_ms, rel=worst)
+    assert [r[2] / r[3] for r in H100_OURS] == pytest.approx([OURS_FORWARD_SHARE] * len(H100_OURS))
+    with pytest.raises(ValueError, match="use one of"):
+        h100(sparse_kernel="cudnn")
+
+
+def test_the_simulator_prices_sparse_rings_with_our_kernels_unless_told(capsys):
+    from hf_sparse_cp.simulator import simulate_cli
+
+    def kernels(*flags):
+        return simulate_cli.parse_args(["--seq", "32768", "--cp", "8", *flags]).sparse_kernels
+
+    assert kernels() == ("ours",) and kernels("--all") == tuple(SPARSE_KERNELS)
+    assert kernels("--sparse-kernels", "flex", "ours", "flex") == ("flex", "ours")
+    with pytest.raises(SystemExit):
+        kernels("--sparse-kernels", "fa2")
+    assert "invalid choice: 'fa2'" in capsys.readouterr().err
 
 
 def test_predicted_step_is_consistent():
