@@ -80,6 +80,7 @@ bench: install
 	$(PY) benchmarks/kernel_resources.py
 	$(PY) benchmarks/simulate_cluster.py
 	$(PY) benchmarks/validate_simulator_cpu.py
+	$(PY) benchmarks/simulator_vs_gpu.py
 
 bench-gpu: install
 	$(PY) benchmarks/bench_attention.py
