@@ -34,6 +34,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CLUSTER = "8xH100-IB400"
 VARIANTS = ("sparse_cp", "sdpa+liger")
 BENCH_MODELS = {"0.5b": "qwen2.5-0.5b", "1.5b": "qwen2.5-1.5b"}  # bench_e2e's model names -> the simulator's
+# Our Triton attention kernels, by the names a profiled step (`kernels`, its largest kernels) lists them under
+OUR_KERNELS = ("_forward_kernel", "_preprocess_kernel", "_dq_kernel", "_dkdv_kernel", "_column_sum_kernel",
+               "_column_kernel")
 
 
 def _flag(command: list[str], name: str, default: str) -> str:
@@ -58,10 +61,12 @@ def measured_rows(folder: Path) -> list[dict]:
             fused = (r.get("fused_ops") or {}).get("choice", "none (before fused ops)") \
                 if r["variant"] == "sparse_cp" else "liger"
             dense_layers = int(_flag(command, "--sparse_dense_first_layers", "1"))
+            ours_ms = sum(k["ms"] for k in r.get("kernels") or () if k["name"] in OUR_KERNELS)
             rows.append({"file": path.name, "device": run["device"], "model": BENCH_MODELS[r["model"]],
                          "variant": r["variant"], "seq": r["seq_len"], "measured_s": r["step_s"],
                          "kept": sparse_layers_kept(r, dense_layers, MODELS[BENCH_MODELS[r["model"]]].layers),
-                         "fused_ops": fused, "dense_first_layers": dense_layers})
+                         "fused_ops": fused, "dense_first_layers": dense_layers,
+                         "attention_kernels_ms": ours_ms or None})
     return rows
 
 
@@ -102,9 +107,14 @@ def predict(row: dict) -> dict:
     if row["variant"] == "sparse_cp":
         setup, workload, kept = matched_workload(row["model"], seq, row["kept"])
         dense = with_causal_layout(setup, workload.layout("dense", setup.plan))
-        predicted = {k: predict_step(setup, model, HARDWARE[CLUSTER](sparse_kernel=k), cluster,
-                                     dense_layers=row["dense_first_layers"], dense=dense)["step_s"]
-                     for k in SPARSE_KERNELS}
+        steps = {k: predict_step(setup, model, HARDWARE[CLUSTER](sparse_kernel=k), cluster,
+                                 dense_layers=row["dense_first_layers"], dense=dense) for k in SPARSE_KERNELS}
+        predicted = {k: r["step_s"] for k, r in steps.items()}
+        # the sparse layers' attention kernels, forward twice (gradient checkpointing) and backward: beside what a
+        # profiled step measured of ours (the dense first layer runs SDPA on one GPU)
+        sparse_layers = model.layers - row["dense_first_layers"]
+        row["predicted_attention_kernels_ms"] = {
+            k: 1e3 * sparse_layers * (2 * r["attention_fwd_s"] + r["attention_bwd_s"]) for k, r in steps.items()}
         row["simulated_kept"] = kept
     else:
         args = simulate_cli.parse_args(["--model", row["model"], "--seq", str(seq), "--cp", "1"])
@@ -143,6 +153,11 @@ def main(argv=None) -> dict:
     if not rows:
         raise SystemExit(f"no warm bench_e2e step in {args.results} (e2e*_nvidia-*.json): nothing to compare.")
     print("\npredicted step seconds, and predicted over measured\n" + table(rows))
+    for r in rows:
+        if r.get("attention_kernels_ms"):
+            print(f"{r['file']} {r['seq']}: our attention kernels, profiled {r['attention_kernels_ms']:.0f} ms a step; "
+                  "predicted " + ", ".join(f"{k} {v:.0f} ({v / r['attention_kernels_ms']:.0%})"
+                                          for k, v in r["predicted_attention_kernels_ms"].items()))
     report = {"what": "the simulator's one-GPU step predictions (CP 1) beside measured warm bench_e2e steps",
               "created": datetime.now(UTC).isoformat(timespec="seconds"), "machine_that_simulated": environment(),
               "cluster_calibration": CLUSTER, "rows": rows,

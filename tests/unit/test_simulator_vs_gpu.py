@@ -27,7 +27,9 @@ def _sparse(seq, per_layer, **extra):
 
 def test_only_warm_uncompiled_steps_are_compared_and_a_sparse_step_keeps_its_sparse_layers_share(tmp_path):
     layer0_dense = [1.0] + [0.2] * (LAYERS - 1)
-    _run(tmp_path, "e2e", [_sparse(32768, layer0_dense, fused_ops={"choice": "liger"}),
+    profile = [{"name": "_forward_kernel", "ms": 3.0}, {"name": "_dq_kernel", "ms": 2.0},
+               {"name": "nvjet_sm90_gemm", "ms": 9.0}]
+    _run(tmp_path, "e2e", [_sparse(32768, layer0_dense, fused_ops={"choice": "liger"}, kernels=profile),
                            {"model": "0.5b", "variant": "sdpa+liger", "seq_len": 32768, "status": "ok", "step_s": 2.0},
                            {"model": "0.5b", "variant": "sdpa", "seq_len": 32768, "status": "oom"},
                            _sparse(65536, layer0_dense)])  # beyond max_seq: a longest-fit step, cold
@@ -41,6 +43,7 @@ def test_only_warm_uncompiled_steps_are_compared_and_a_sparse_step_keeps_its_spa
         layer0, sparse, dense = rows
         assert sparse["kept"] == pytest.approx(0.2) and sparse["dense_first_layers"] == 1
         assert sparse["fused_ops"] == "liger" and dense["kept"] is None
+        assert sparse["attention_kernels_ms"] == 5.0 and layer0["attention_kernels_ms"] is None  # (ours only)
         assert layer0["kept"] == pytest.approx(0.3) and layer0["dense_first_layers"] == 0
         without_layers = {k: v for k, v in _sparse(32768, layer0_dense).items() if k != "kept_fraction_per_layer"}
         assert module.sparse_layers_kept(without_layers, 1, LAYERS) == pytest.approx(0.2)
@@ -48,7 +51,9 @@ def test_only_warm_uncompiled_steps_are_compared_and_a_sparse_step_keeps_its_spa
         predicted = module.predict(sparse)
         blocks = 32768 // 128
         assert abs(predicted["simulated_kept"] - 0.2) <= 1 / blocks  # (at most half a block diagonal's share away)
-        assert set(predicted["predicted_s"]) == set(SPARSE_KERNELS)
+        assert set(predicted["predicted_s"]) == set(predicted["predicted_attention_kernels_ms"]) == set(SPARSE_KERNELS)
+        assert all(0 < predicted["predicted_attention_kernels_ms"][k] < 1e3 * predicted["predicted_s"][k]
+                   for k in SPARSE_KERNELS)
         assert predicted["predicted_over_measured"]["ours"] == pytest.approx(predicted["predicted_s"]["ours"])
         assert set(module.predict(dense)["predicted_s"]) == {"cudnn", "fa2"}
         with pytest.raises(SystemExit, match="nothing to compare"):
