@@ -17,7 +17,8 @@
 # fp32, and the attention benchmark at head_dim 256 (32K: ours, ours on the blocks alone, Flex on the same blocks,
 # cuDNN, flash). `quick2`: the tile short list at head_dim 256, the 0.5B step at
 # 128K against sdpa + liger, sparse_cp at 512K and 1M beside the memory model's prediction, and sparse_cp at 128K with
-# the first layer sparse and without token tiles. See benchmarks/results/README.md for the files. Carry .whl/ with the call (the device tool's
+# the first layer sparse and without token tiles, and the pattern estimation's time at 256K-1M. See
+# benchmarks/results/README.md for the files. Carry .whl/ with the call (the device tool's
 # `carry`): liger-kernel is both the baseline's kernels and the fused ops of sparse_cp.
 #
 # The single stages, each meant to fit one 10-minute call (split with arguments if not); arguments after

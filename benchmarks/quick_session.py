@@ -43,7 +43,10 @@ fit (sparse_cp at 512K and 1M, one step each, its peak memory beside the memory 
 (sparse_cp at 128K with the first layer sparse, `--sparse_dense_first_layers 0`, against e2e's 128K run with it
 dense, the default: what the dense first layer costs) and untiled (sparse_cp at 128K without token tiles,
 `--token_tiling_min_length 0`, against e2e's run with them, the default from 32K: what their extra MLP forward costs
-in time and saves in memory, never measured on a GPU).
+in time and saves in memory, never measured on a GPU) and estimation (`bench_attention.py` at 256K, 512K and 1M,
+head_dim 128, GQA 16/2, our kernels only: the pattern estimation's time by part, scoring and layout build, with
+the same budget as the attention stage's estimated layout at 128K: how it grows with the length, which the
+cluster simulator charges as a constant; docs/scaling.md).
 
 The caps add up to more than the budget on purpose; benchmarks/results/README.md estimates each stage's time
 from the earlier GPU sessions' JSON. A stage the deadline skips is rerun in a call of its own
@@ -54,7 +57,7 @@ back from a GPU call), in `$OUT` or `--out`, else benchmarks/results/: `<call>-s
 the command, settings, each stage's status, cap, time and outputs, the headline figures and verdicts),
 `<call>.log` (every stage's output), and the stages' JSON: `quick` attention.json, engine_table.json,
 attention-d256.json, e2e.json, e2e-compile.json, tiles.json; `quick2` tiles-d256.json, e2e.json, e2e-fit.json,
-e2e-layer0.json, e2e-untiled.json. `benchmarks/results/README.md` says how to read them.
+e2e-layer0.json, e2e-untiled.json, estimation.json. `benchmarks/results/README.md` says how to read them.
 
 `--dry-run` runs the same stages with the same JSON on the CPU at tiny sizes (our kernels in Triton's
 interpreter, the gpu-marked tests skipped), so the script cannot rot between GPU runs:
@@ -95,7 +98,7 @@ KILL_GRACE_S = 10.0
 # The stages of each prepared call, in order of value: `quick` the figures still missing that matter most, `quick2`
 # the rest (for a second lent machine).
 CALLS = {"quick": ("e2e", "compile", "tiles", "attention", "wide_tests", "wide_attention"),
-         "quick2": ("wide_tiles", "e2e", "fit", "layer0", "untiled")}
+         "quick2": ("wide_tiles", "e2e", "fit", "layer0", "untiled", "estimation")}
 # Sequence length of the e2e stage's runs per call (the compile stage runs at the same length): 256K in `quick` (its
 # ratio over sdpa + liger is the missed target), 128K in `quick2` (layer0's comparison).
 E2E_SEQ = {"quick": 262144, "quick2": 131072}
@@ -124,6 +127,7 @@ class QuickArguments:
     fit_cap_s: float = field(default=210.0, metadata={"help": "Cap of the 512K and 1M steps."})
     layer0_cap_s: float = field(default=40.0, metadata={"help": "Cap of the 128K step with the first layer sparse."})
     untiled_cap_s: float = field(default=40.0, metadata={"help": "Cap of the 128K step without token tiles."})
+    estimation_cap_s: float = field(default=90.0, metadata={"help": "Cap of the estimation's timing at 256K-1M."})
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,10 @@ def stages(args: QuickArguments, out: Path, scratch: Path | None = None) -> list
                       "--estimated_budgets", "", "--variants", "ours", "ours_blocks", "auto", "flex", "sdpa_cudnn",
                       "sdpa_flash",
                       "--output", str(out / WIDE_ATTENTION), "--engine_table", str(scratch / "engine_table-d256.json")]
+    # the pattern estimation at longer lengths, with the attention stage's estimated budget (ours on its layout too)
+    estimation = [py, "benchmarks/bench_attention.py", *sparse_attention, "--variants", "ours", "--estimated_variants",
+                  "ours", "--dense", "false", "--check", "false", "--output", str(out / "estimation.json"),
+                  "--engine_table", str(scratch / "engine_table-estimation.json")]
     # (-v: the log names each outcome as it comes, for a run its cap cuts before pytest writes the report)
     wide_tests = [py, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", "tests/kernels/test_kernels_gpu.py",
                   "-k", WIDE_TESTS, "--junitxml", str(scratch / WIDE_TESTS_XML)]
@@ -168,9 +176,11 @@ def stages(args: QuickArguments, out: Path, scratch: Path | None = None) -> list
     tiles = [py, "benchmarks/tune_tiles.py", "--shortlist", "--kernels", "columns", "dq", "forward", "dkdv"]
     e2e_seq = E2E_SEQ[args.call]
     if args.dry_run:
-        tiny = ["--dry_run", "--block_size", "32", "--num_q_heads", "2", "--num_kv_heads", "1", "--num_verticals", "4",
-                "--dtype", "float16", "--warmup", "0", "--repeats", "1", "--seq_lens", "128"]
+        tiny_shape = ["--dry_run", "--block_size", "32", "--num_q_heads", "2", "--num_kv_heads", "1", "--num_verticals",
+                      "4", "--dtype", "float16", "--warmup", "0", "--repeats", "1"]
+        tiny = [*tiny_shape, "--seq_lens", "128"]
         attention += [*tiny, "--head_dim", "16", "--estimated_budgets", "8:2"]
+        estimation += [*tiny_shape, "--seq_lens", "128", "256", "--head_dim", "16", "--estimated_budgets", "8:2"]
         wide_attention += tiny
         e2e += ["--tiny", "--device", "cpu"]
         headline += ["--token_tiling_min_length", "64"]  # (tiled at its tiny length as the GPU's from 32K)
@@ -187,6 +197,9 @@ def stages(args: QuickArguments, out: Path, scratch: Path | None = None) -> list
         interpreted = {"TRITON_INTERPRET": "1"}
     else:
         attention += ["--seq_lens", "131072", "--warmup", "1", "--repeats", "5", "--estimated_budgets", "1000:256"]
+        # (one timed call of each: ours on the estimated layout at 1M takes about 9 s, 64x 128K's)
+        estimation += ["--seq_lens", "262144", "524288", "1048576", "--warmup", "1", "--repeats", "1",
+                       "--estimated_budgets", "1000:256"]
         wide_attention += ["--seq_lens", "32768", "--warmup", "1", "--repeats", "5"]
         e2e += ["--models", "0.5b"]
         # the H200's 1M step took about 135 s with its start-up (2026-11-29): the fit stage's runs get 190 s; the
@@ -220,6 +233,8 @@ def stages(args: QuickArguments, out: Path, scratch: Path | None = None) -> list
         "layer0": Stage("layer0", args.layer0_cap_s, run["layer0"] + layer0, ["e2e-layer0.json"], env_files=table),
         "untiled": Stage("untiled", args.untiled_cap_s, run["untiled"] + untiled, ["e2e-untiled.json"],
                          env_files=table),
+        "estimation": Stage("estimation", args.estimation_cap_s, estimation, ["estimation.json"], interpreted,
+                            env_files=tile_table),
     }
     return [every[name] for name in CALLS[args.call]]
 
@@ -368,6 +383,10 @@ def correctness_verdicts(tests: dict | None, wide_attention: dict) -> list[dict]
              "pass": all(c["status"] == "pass" for c in checks) if checks else None}]
 
 
+ESTIMATION_KEYS = ("seq_len", "layout", "total_ms", "scoring_ms", "layout_ms", "share_of_fwd_bwd", "peak_mib",
+                   "layout_mib", "peak_over_layout")
+
+
 def headline(out: Path, scratch: Path, ran: set[str] | None = None) -> dict:
     """The figures the README's tables take, from the JSON of the stages named in `ran` (this call's, so that no file
     an earlier call left in the folder is read as this one's; default every stage): attention fwd+bwd ms per (S,
@@ -376,10 +395,11 @@ def headline(out: Path, scratch: Path, ran: set[str] | None = None) -> dict:
     compiled step, the fit runs with their predicted peaks, the dense first layer's and the token tiles' costs, the
     tiles timed best per kernel (head_dim 128 and 256), and every target's verdict."""
     read = lambda stage, name: (_read(out / name) if ran is None or stage in ran else None) or {}
-    attention, wide, e2e, compiled, fit, layer0, untiled, tiles, wide_tiles = (read(*stage) for stage in (
+    attention, wide, e2e, compiled, fit, layer0, untiled, tiles, wide_tiles, lengths = (read(*stage) for stage in (
         ("attention", "attention.json"), ("wide_attention", WIDE_ATTENTION), ("e2e", "e2e.json"),
         ("compile", "e2e-compile.json"), ("fit", "e2e-fit.json"), ("layer0", "e2e-layer0.json"),
-        ("untiled", "e2e-untiled.json"), ("tiles", "tiles.json"), ("wide_tiles", "tiles-d256.json")))
+        ("untiled", "e2e-untiled.json"), ("tiles", "tiles.json"), ("wide_tiles", "tiles-d256.json"),
+        ("estimation", "estimation.json")))
     tests = test_outcomes(scratch / WIDE_TESTS_XML) if ran is None or "wide_tests" in ran else None
     attention_rows = ("seq_len", "layout", "variant", "density", "status", "fwd_bwd_ms", "fwd_bwd_tflops",
                       "auto_engine")
@@ -388,9 +408,8 @@ def headline(out: Path, scratch: Path, ran: set[str] | None = None) -> dict:
         "attention_ratios": attention.get("ratios", []),
         "column_costs": attention.get("column_costs", []),
         "rate_shares": attention.get("rate_shares", []),
-        "estimation": [{k: e.get(k) for k in ("seq_len", "layout", "total_ms", "share_of_fwd_bwd", "peak_mib",
-                                              "layout_mib", "peak_over_layout")}
-                       for e in attention.get("estimation", [])],
+        "estimation": [{k: e.get(k) for k in ESTIMATION_KEYS} for e in attention.get("estimation", [])],
+        "estimation_lengths": [{k: e.get(k) for k in ESTIMATION_KEYS} for e in lengths.get("estimation", [])],
         "wide_tests": tests,
         "wide_attention_fwd_bwd_ms": _rows(wide, *attention_rows),
         "wide_attention_ratios": wide.get("ratios", []),
@@ -443,11 +462,14 @@ def format_summary(report: dict) -> str:
         lines.append(f"  rate share {r['seq_len'] // 1024}K {r['layout']}: ours {r['ours_tflops']:.0f} TFLOP/s "
                      f"over the MLP product's {r['linear_tflops']:.0f} = {r['measured_share']:.2f} (planner: "
                      f"{r['planner_share']})")
-    for e in h["estimation"]:
+    for e in h["estimation"] + h.get("estimation_lengths", []):  # (the second: absent from sessions before it)
         share = "-" if e["share_of_fwd_bwd"] is None else f"{100 * e['share_of_fwd_bwd']:.1f}% of our fwd+bwd"
         memory = "" if e.get("peak_mib") is None else (f"; peak {e['peak_mib']:.0f} MiB, {e['peak_over_layout']:.2f}x "
                                                         f"the layout's {e['layout_mib']:.0f}")
-        lines.append(f"  estimation {e['seq_len'] // 1024}K {e['layout']}: {e['total_ms']:.2f} ms, {share}{memory}")
+        parts = "" if e.get("layout_ms") is None else (f" (scoring {e['scoring_ms']:.2f}, layout build "
+                                                        f"{e['layout_ms']:.2f})")
+        lines.append(f"  estimation {e['seq_len'] // 1024}K {e['layout']}: {e['total_ms']:.2f} ms{parts}, {share}"
+                     f"{memory}")
     for r in h["e2e"]:
         shown = (f"{r['tokens_per_s']:.0f} tokens/s, {r['peak_gib']:.1f} GiB" if r["status"] == "ok" else r["status"])
         lines.append(f"  e2e {r['model']} {r['variant']:<11} {r['seq_len'] // 1024}K: {shown}")

@@ -150,13 +150,19 @@ def test_dry_run_runs_every_stage_and_writes_the_gpu_schema(dry_runs):
 
 def test_the_second_call_dry_run_runs_the_rest(dry_runs):
     """`quick2`: the head_dim-256 tile short list, the 128K step against sdpa + liger, the fit runs, layer 0 sparse, the
-    step without token tiles."""
+    step without token tiles, the estimation's time at longer lengths."""
     finish, tmp_path = dry_runs["quick2"]
     session, wall, stdout = finish()
     assert {p.name for p in tmp_path.iterdir()} == {"quick2-session.json", "quick2.log", "tiles-d256.json", "e2e.json",
-                                                    "e2e-fit.json", "e2e-layer0.json", "e2e-untiled.json"}
+                                                    "e2e-fit.json", "e2e-layer0.json", "e2e-untiled.json",
+                                                    "estimation.json"}
     assert [(s["name"], s["status"]) for s in session["stages"]] == [
-        ("wide_tiles", "ok"), ("e2e", "ok"), ("fit", "ok"), ("layer0", "ok"), ("untiled", "ok")]
+        ("wide_tiles", "ok"), ("e2e", "ok"), ("fit", "ok"), ("layer0", "ok"), ("untiled", "ok"), ("estimation", "ok")]
+    lengths = session["headline"]["estimation_lengths"]
+    assert [e["seq_len"] for e in lengths] == [128, 256] and all(e["layout_ms"] > 0 and e["scoring_ms"] > 0
+                                                                 for e in lengths)
+    assert "estimation 0K est v8/s2: " in stdout and "layout build" in stdout
+    assert session["headline"]["estimation"] == []  # (quick's attention stage)
     tiles = json.loads((tmp_path / "tiles-d256.json").read_text())
     assert tiles["chosen"]["applies_to"]["head_dim"] == 256 and set(tiles["best"]) == {"columns", "dq", "forward",
                                                                                        "dkdv"}
