@@ -47,13 +47,16 @@ def read_mapping(path: str | Path, what: str = "fields", kind: str = "Config fil
     if path.suffix not in (".yaml", ".yml", ".json"):
         raise ValueError(f"{kind} {str(path)!r} must end in .yaml, .yml or .json.")
     try:
-        with path.open() as stream:  # (a stream, so that YAML's error marks name the file and line)
+        with path.open(encoding="utf-8") as stream:  # (a stream, so that YAML's error marks name the file and line)
             if path.suffix != ".json":
                 data = yaml.safe_load(stream)
             else:
                 data = json.load(stream) if path.stat().st_size else None
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise ValueError(f"{kind} {str(path)!r} is not valid {path.suffix[1:].upper()}: {e}") from None
+    except UnicodeDecodeError:  # (a weights file under a config's name: the decoder's message names neither)
+        raise ValueError(f"{kind} {str(path)!r} is not valid {path.suffix[1:].upper()}: not UTF-8 text (a binary "
+                         f"file?); give the {what} as a .yaml or .json text file.") from None
     if data is None:
         raise ValueError(f"{kind} {str(path)!r} is empty (or holds only comments): write the {what} it should set in "
                          "it ({} to keep every default), or do not pass it.")
