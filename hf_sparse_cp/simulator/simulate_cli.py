@@ -415,7 +415,8 @@ def row_label(r: dict) -> str:
 def format_row(r: dict) -> str:
     speed = f"{r['speedup_vs_dense_ring']:.2f}x" if r["speedup_vs_dense_ring"] else "-"
     kernel = f"{r['kernel']} (bound)" if r.get("bound") else r["kernel"]
-    return (f"{r['seq']:>8} {r['cp']:>3}  {row_label(r):<28}{kernel:<18}{r['kept']:>6.3f} {r['step_s']:>8.2f} "
+    # (a label with its mode and head-group size may be wider than its column: a space keeps it off the kernel)
+    return (f"{r['seq']:>8} {r['cp']:>3}  {row_label(r):<27} {kernel:<18}{r['kept']:>6.3f} {r['step_s']:>8.2f} "
             f"{r['tokens_per_s']:>9.0f} {speed:>8} {r['comm_share']:>6.1%} {'comm' if r['comm_bound'] else '':>6}")
 
 
