@@ -337,7 +337,9 @@ def check_decoder(config: Any, where: str) -> tuple[int, int, int]:
     Raises:
         ValueError: see `ModelShape.from_config`.
     """
-    experts = [field for field in EXPERT_COUNTS if getattr(config, field, None)]
+    # (the config's own field before transformers' alias of it: DeepSeek's n_routed_experts, read as num_local_experts)
+    aliases = getattr(config, "attribute_map", {})
+    experts = sorted((field for field in EXPERT_COUNTS if getattr(config, field, None)), key=lambda f: f in aliases)
     if experts:
         raise ValueError(f"{where}: {experts[0]}={getattr(config, experts[0])}: a mixture of experts, which the "
                          "predictions do not model (they count one dense MLP per layer); give a dense model's "

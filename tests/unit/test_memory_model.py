@@ -896,3 +896,16 @@ def test_a_multimodal_config_names_its_text_config_as_the_fix(command, tmp_path,
     exec(fix)  # (the fix's own command; its answer, the memory command's: simulate's plot starts a process)
     cli_main(["memory", "--config", str(tmp_path / "text_config"), "--quiet"])
     assert capsys.readouterr().out.strip().isdigit()
+
+
+def test_a_mixture_of_experts_is_refused_naming_the_field_its_config_json_holds(tmp_path, capsys):
+    """DeepSeek-V3's config.json (n_routed_experts: 256) was refused as "num_local_experts=256", a field the file does
+    not hold (transformers' alias of it): the refusal names the config's own field."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("deepseek_v3", n_routed_experts=8).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["memory", "--config", str(tmp_path), "--quiet"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "Traceback" not in err, err
+    assert f"--config {tmp_path}: n_routed_experts=8: a mixture of experts" in err, err
