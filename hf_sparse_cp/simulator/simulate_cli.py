@@ -157,7 +157,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--estimation-chunk", type=at_least(BLOCK), default=None,
                    help="Charge the estimation of estimation='causal_chunks' with this chunk (default: each "
                    "document's last queries); a packed row is charged as one sequence (an upper bound).")
-    p.add_argument("--seed", type=int, default=0, help="Seed of the synthetic layouts and packed rows.")
+    p.add_argument("--seed", type=at_least(0), default=0, help="Seed of the synthetic layouts and packed rows.")
     p.add_argument("--json", default=None,
                    help="Output file (default: simulate-cluster_<model>_<cluster>[_<mix>].json in the results folder: "
                    "the current directory, benchmarks/results for benchmarks/simulate_cluster.py; a missing folder is "
@@ -212,12 +212,27 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
     try:
         if args.png:  # (a plot asked for by name: refused before minutes of simulation, not after)
             require_matplotlib()
+            _check_image_format(args.png)
         for flag, path in (("--json", args.json), ("--png", args.png)):
             if path:
                 check_output_file(path, flag)
     except (ImportError, ValueError) as e:
         p.error(str(e))
     return args
+
+
+def _check_image_format(path: str) -> None:
+    """ValueError naming the fix unless `path` ends in an image format matplotlib writes (another suffix failed in
+    matplotlib after the simulation; none wrote `path`.png while the command named `path`)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = Path(path).suffix
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix[1:].lower() not in formats:
+        named = "no suffix names its image format" if not suffix else \
+            f"{suffix!r} is no image format matplotlib writes"
+        raise ValueError(f"--png {path}: {named}; give a file ending in .png, .pdf or .svg (or another of "
+                         f"{', '.join(sorted(formats))}).")
 
 
 def check_chunks(seq: int, cps: list[int]) -> None:

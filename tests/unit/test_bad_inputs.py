@@ -397,6 +397,12 @@ def test_the_example_names_a_model_folder_without_its_tokenizer(tmp_path, capsys
         # '' (an unset shell variable) read as no value: the default output file written, the default curve read
         (["--json", ""], "--json '' is empty (an unset shell variable?): give its value, or drop the flag."),
         (["--kept-curve", " "], "--kept-curve ' ' is empty (an unset shell variable?)"),
+        # each a traceback after the simulation (numpy's seed; matplotlib's formats), or a file named wrongly ('wrote
+        # plot' for the plot.png matplotlib wrote)
+        (["--seed", "-1"], "argument --seed: -1 must be >= 0"),
+        (["--png", "plot.txt"], "--png plot.txt: '.txt' is no image format matplotlib writes; give a file ending in "
+                                ".png, .pdf or .svg (or another of "),
+        (["--png", "plot"], "--png plot: no suffix names its image format; give a file ending in .png, .pdf or .svg"),
     ],
 )
 def test_the_simulator_refuses_values_it_cannot_simulate(capsys, flags, refused):
