@@ -174,6 +174,13 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.configs = args.configs or (list(CONFIGURATIONS) if args.all else list(DEFAULT_CONFIGS))
     args.mtraining = args.all if args.mtraining is None else args.mtraining
+    if not args.mtraining and all(CONFIGURATIONS[name].kind != "sparse" for name in args.configs):
+        for flag, value in (("--sparse-kernels", args.sparse_kernels and " ".join(args.sparse_kernels)),
+                            ("--density", args.density), ("--kept-curve", args.kept_curve)):
+            if value is not None:  # (read by the sparse rows alone: the table would not change)
+                p.error(f"{flag} {value} would not be read: --configs {' '.join(map(repr, args.configs))} has no "
+                        f"sparse configuration; add one (e.g. --configs 'dense ring' 'striped sparse'), or drop "
+                        f"{flag}.")
     args.sparse_kernels = tuple(dict.fromkeys(args.sparse_kernels or (SPARSE_KERNELS if args.all else ("ours",))))
     _check_lengths(p, args.seq, args.layout_heads)
     for seq in args.seq:

@@ -402,6 +402,11 @@ def test_the_example_names_a_model_folder_without_its_tokenizer(tmp_path, capsys
         (["--seed", "-1"], "argument --seed: -1 must be >= 0"),
         (["--png", "plot.txt"], "--png plot.txt: '.txt' is no image format matplotlib writes; give a file ending in "
                                 ".png, .pdf or .svg (or another of "),
+        # flags of the sparse rows with the dense ring's alone: the table did not change
+        (["--configs", "dense ring", "--sparse-kernels", "flex"], "--sparse-kernels flex would not be read: --configs "
+         "'dense ring' has no sparse configuration; add one (e.g. --configs 'dense ring' 'striped sparse'), or drop "
+         "--sparse-kernels."),
+        (["--configs", "dense ring", "--density", "0.1"], "--density 0.1 would not be read: --configs 'dense ring'"),
         (["--png", "plot"], "--png plot: no suffix names its image format; give a file ending in .png, .pdf or .svg"),
     ],
 )
