@@ -185,10 +185,15 @@ def did_you_mean(parser: argparse.ArgumentParser, unknown: Sequence[str], also: 
         if option.startswith("--") and (name not in options or option[2:] == name):
             options[name] = option
     spelt = set(spellings)
+    # (a positional argument given as a flag: `plot --run_dir RUN` is named so, not with a flag of a close name)
+    positional = {action.dest: action.metavar or action.dest for action in parser._actions if not action.option_strings}
     guesses = []
     for arg in unknown:
         flag = arg.split("=", 1)[0]
         name = flag[2:].replace("-", "_")
+        if flag.startswith("--") and flag not in spelt and name in positional:
+            guesses.append(f"the value alone for {flag} ({positional[name]} is positional)")
+            continue
         close = closest_names(name, options, prefix="--") if flag.startswith("--") and flag not in spelt else []
         if close:
             guesses.append(f"{' or '.join(options[c] for c in close)} for {flag}")

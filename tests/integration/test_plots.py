@@ -220,6 +220,17 @@ def test_a_mistyped_flag_of_plot_or_recipes_is_named_with_the_close_one_by_that_
     assert f"{command}: error: unrecognized arguments: {flag} 1024; did you mean {close} for {flag}?" in err
 
 
+def test_plots_positional_run_dir_given_as_a_flag_is_named_positional(tmp_path, capsys):
+    """`hf-sparse-cp plot --run_dir RUN` was answered 'did you mean --out_dir for --run_dir?', the output folder's
+    flag for the run's own folder, which plot takes without a flag."""
+    with pytest.raises(SystemExit) as refused:
+        main(["plot", "--run_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "--out_dir" not in err.splitlines()[-1], err
+    assert ("plot: error: unrecognized arguments: --run_dir; did you mean the value alone for --run_dir (run_dir is "
+            "positional)?") in err, err
+
+
 @pytest.mark.parametrize("layers", ["0,,3", "0,", ""])
 def test_plot_refuses_an_empty_item_of_its_lists(tmp_path, capsys, layers):
     """An empty item of --layers or --heads was dropped ('0,,3' drew layers 0 and 3), and an empty list drew the
