@@ -86,6 +86,11 @@ def _check_plot_flags(args, parser: argparse.ArgumentParser) -> None:
     if args.text_file is not None and not Path(args.text_file).is_file():
         parser.error(f"--text_file {args.text_file}: " + ("a folder, not a text file" if Path(args.text_file).is_dir()
                                                            else "no such file") + "; give the file of a text.")
+    if args.text_file is not None:
+        try:  # (read before the model loads, as the drawing reads it)
+            Path(args.text_file).read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            parser.error(f"--text_file {args.text_file}: not UTF-8 text (a binary file?); give the file of a text.")
     if args.text_file is None and args.max_length is not None and args.only != "kept_fraction":
         try:
             from hf_sparse_cp.examples.passkey import check_buildable  # (needs datasets: `plot_run` names the extra)

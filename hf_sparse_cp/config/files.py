@@ -47,13 +47,16 @@ def read_mapping(path: str | Path, what: str = "fields", kind: str = "Config fil
     if path.suffix not in (".yaml", ".yml", ".json"):
         raise ValueError(f"{kind} {str(path)!r} must end in .yaml, .yml or .json.")
     try:
-        with path.open() as stream:  # (a stream, so that YAML's error marks name the file and line)
+        with path.open(encoding="utf-8") as stream:  # (a stream, so that YAML's error marks name the file and line)
             if path.suffix != ".json":
                 data = yaml.safe_load(stream)
             else:
                 data = json.load(stream) if path.stat().st_size else None
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise ValueError(f"{kind} {str(path)!r} is not valid {path.suffix[1:].upper()}: {e}") from None
+    except UnicodeDecodeError:  # (a weights file under a config's name: the decoder's message names neither)
+        raise ValueError(f"{kind} {str(path)!r} is not valid {path.suffix[1:].upper()}: not UTF-8 text (a binary "
+                         f"file?); give the {what} as a .yaml or .json text file.") from None
     if data is None:
         raise ValueError(f"{kind} {str(path)!r} is empty (or holds only comments): write the {what} it should set in "
                          "it ({} to keep every default), or do not pass it.")
@@ -182,10 +185,15 @@ def did_you_mean(parser: argparse.ArgumentParser, unknown: Sequence[str], also: 
         if option.startswith("--") and (name not in options or option[2:] == name):
             options[name] = option
     spelt = set(spellings)
+    # (a positional argument given as a flag: `plot --run_dir RUN` is named so, not with a flag of a close name)
+    positional = {action.dest: action.metavar or action.dest for action in parser._actions if not action.option_strings}
     guesses = []
     for arg in unknown:
         flag = arg.split("=", 1)[0]
         name = flag[2:].replace("-", "_")
+        if flag.startswith("--") and flag not in spelt and name in positional:
+            guesses.append(f"the value alone for {flag} ({positional[name]} is positional)")
+            continue
         close = closest_names(name, options, prefix="--") if flag.startswith("--") and flag not in spelt else []
         if close:
             guesses.append(f"{' or '.join(options[c] for c in close)} for {flag}")

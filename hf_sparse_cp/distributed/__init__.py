@@ -34,7 +34,7 @@ from .cp_config import CP_MODES, ContextParallelConfig
 from .heads.split import HeadSplit
 from .inputs import check_same_batch, prepare_context_parallel_inputs
 from .loss import global_mean_loss, global_num_items, rank_loss
-from .mesh import ParallelDims, check_launched, check_sizes, quiesce_process_groups
+from .mesh import ParallelDims, check_launched, check_ring, check_sizes, quiesce_process_groups
 from .modes import CPAttention, CPMode, context_parallel_attention, cp_mode_named, cp_modes, register_cp_mode
 from .ring.attention import RingStats, ring_sparse_attention
 from .ring.estimation import estimate_layout_cp
@@ -56,6 +56,7 @@ __all__ = [
     "RingTopology",
     "ShardPlan",
     "check_launched",
+    "check_ring",
     "check_same_batch",
     "check_sizes",
     "context_parallel_attention",

@@ -88,32 +88,11 @@ def ring_shape(cp_size: int, config, env: Mapping[str, str] = os.environ, *,
     so a node holds 1 / stride of its ranks in the ring."""
     if config.cp_ring == "flat" or cp_size == 1:
         return 1, cp_size
-    per_node = config.cp_node_size
-    if per_node is None and env.get("LOCAL_WORLD_SIZE"):
-        per_node = int(env["LOCAL_WORLD_SIZE"])
-    if per_node is None:
-        raise ValueError(
-            "cp_ring='hierarchical' needs the number of ranks per node: launch with torchrun or accelerate launch "
-            "(they set LOCAL_WORLD_SIZE) or pass --cp_node_size."
-        )
-    if per_node % stride:
-        raise ValueError(f"a node holds {per_node} ranks, which do not split into head groups of {stride} "
-                         "(--cp_ulysses_size): use a head group size that divides the ranks per node.")
-    per_node //= stride
+    per_node = _ring_node_size(cp_size, config, env, stride)
     if per_node >= cp_size:
-        if per_node % cp_size:
-            raise ValueError(
-                f"a node holds {per_node} ranks, which is not a multiple of cp_size={cp_size}: some CP groups would "
-                "straddle two nodes unevenly. Use a cp_size that divides the ranks per node or is a multiple of it."
-            )
         logger.warning("cp_ring='hierarchical': the CP group (%d ranks) fits in one node of %d ranks, so there is "
                        "no ring across nodes: the ring is flat, within the node.", cp_size, per_node)
         return 1, cp_size
-    if cp_size % per_node:
-        raise ValueError(
-            f"cp_size={cp_size} is not a multiple of the {per_node} ranks per node: the hierarchical ring needs whole "
-            "nodes. Use a cp_size that is a multiple of the ranks per node, or cp_ring='flat'."
-        )
     if per_node == 1:
         given = (f"--cp_node_size {config.cp_node_size}" if config.cp_node_size is not None
                  else f"LOCAL_WORLD_SIZE={env['LOCAL_WORLD_SIZE']}")
@@ -122,6 +101,49 @@ def ring_shape(cp_size: int, config, env: Mapping[str, str] = os.environ, *,
                        "per node (or set --cp_node_size) for the hierarchical ring.",
                        given, f", one head group of {stride}" if stride > 1 else "", cp_size)
     return cp_size // per_node, per_node
+
+
+def _ring_node_size(cp_size: int, config, env: Mapping[str, str], stride: int) -> int:
+    """The ring's ranks per node for `ring_shape` (of the hierarchical ring of `cp_size` ranks), or a ValueError
+    naming where the ranks per node come from (--cp_node_size, LOCAL_WORLD_SIZE) and the fix."""
+    per_node = config.cp_node_size
+    if per_node is None and env.get("LOCAL_WORLD_SIZE"):
+        per_node = int(env["LOCAL_WORLD_SIZE"])
+    if per_node is None:
+        raise ValueError(
+            "cp_ring='hierarchical' needs the number of ranks per node: launch with torchrun or accelerate launch "
+            "(they set LOCAL_WORLD_SIZE) or pass --cp_node_size."
+        )
+    given = (f"--cp_node_size {config.cp_node_size}" if config.cp_node_size is not None
+             else f"LOCAL_WORLD_SIZE={env['LOCAL_WORLD_SIZE']}")
+    if per_node % stride:
+        raise ValueError(f"a node holds {per_node} ranks ({given}), which do not split into head groups of {stride} "
+                         "(--cp_ulysses_size): use a head group size that divides the ranks per node.")
+    per_node //= stride
+    if per_node >= cp_size and per_node % cp_size:
+        raise ValueError(
+            f"a node holds {per_node} ranks ({given}), which is not a multiple of cp_size={cp_size}: some CP groups "
+            "would straddle two nodes unevenly. Use a cp_size that divides the ranks per node or is a multiple of it"
+            + (", or the --cp_node_size your nodes hold." if config.cp_node_size is not None else ".")
+        )
+    if per_node < cp_size and cp_size % per_node:
+        raise ValueError(
+            f"cp_size={cp_size} is not a multiple of the {per_node} ranks per node ({given}): the hierarchical ring "
+            "needs whole nodes. Use a cp_size that is a multiple of the ranks per node, or cp_ring='flat'."
+        )
+    return per_node
+
+
+def check_ring(config, env: Mapping[str, str] = os.environ) -> None:
+    """Raise `ring_shape`'s ValueError (naming the fix) when the hierarchical ring of `config` (a
+    `ContextParallelConfig`) cannot be laid over the nodes of this launch (--cp_node_size, or the LOCAL_WORLD_SIZE
+    of `env`); nothing to check for a flat ring, a CP group without a ring, or a launch that says no ranks per node.
+    Cheap: the launch checks call it before the data is built, which a refused ring would waste."""
+    if config.cp_ring == "flat" or (config.cp_node_size is None and not env.get("LOCAL_WORLD_SIZE")):
+        return
+    _, heads = config.mode.resolve(config, config.cp_size)
+    if config.cp_size // heads > 1:
+        _ring_node_size(config.cp_size // heads, config, env, heads)
 
 
 class ParallelDims:

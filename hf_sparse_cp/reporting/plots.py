@@ -248,7 +248,7 @@ def sample_ids(tokenizer, text_file: str | Path | None = None, seq_len: int | No
     """Token ids [1, S] to draw the layouts for: the last `seq_len` tokens of a text file (all of it when
     None), or a synthetic passkey-retrieval sample of `seq_len` tokens."""
     if text_file is not None:
-        ids = tokenizer(Path(text_file).read_text(), add_special_tokens=False)["input_ids"]
+        ids = tokenizer(Path(text_file).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
         ids = ids[-seq_len:] if seq_len else ids
         if len(ids) < 2:
             raise ValueError(f"{str(text_file)!r} holds {len(ids)} token(s); give a longer text.")

@@ -162,6 +162,9 @@ def read_config(path: str):
         data = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"--config {path}: not JSON ({e}); give a model's config.json.") from None
+    except UnicodeDecodeError:  # (a weights file, an archive: the decoder's own message names neither)
+        raise ValueError(f"--config {path}: not JSON text (a binary file); give a model's config.json, or the folder "
+                         "holding it.") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise ValueError(f"--config {path}: no model_type; a transformers config.json names its model_type "
                          "(e.g. \"llama\").")

@@ -131,8 +131,8 @@ class KeptCurve:
         """The curve of `setting` in a `pattern_quality.py --curve` report. Raises ValueError naming the file, the
         entry and what it must hold for a report that is missing, not JSON or not shaped as the script writes it."""
         try:
-            report = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            report = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"kept-fraction curve {path}: {getattr(e, 'strerror', None) or 'not JSON'}; give a report "
                              "that benchmarks/pattern_quality.py --curve wrote.") from None
         if not isinstance(report, dict) or "curve_settings" not in report:

@@ -337,13 +337,23 @@ def check_decoder(config: Any, where: str) -> tuple[int, int, int]:
     Raises:
         ValueError: see `ModelShape.from_config`.
     """
-    experts = [field for field in EXPERT_COUNTS if getattr(config, field, None)]
+    # (the config's own field before transformers' alias of it: DeepSeek's n_routed_experts, read as num_local_experts)
+    aliases = getattr(config, "attribute_map", {})
+    experts = sorted((field for field in EXPERT_COUNTS if getattr(config, field, None)), key=lambda f: f in aliases)
     if experts:
         raise ValueError(f"{where}: {experts[0]}={getattr(config, experts[0])}: a mixture of experts, which the "
                          "predictions do not model (they count one dense MLP per layer); give a dense model's "
                          "config.json, or a preset (--model).")
     missing = [field for field in DECODER_FIELDS if getattr(config, field, None) is None
                and not (field == "intermediate_size" and intermediate_width(config) is not None)]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if missing and text is not config and not any(getattr(text, field, None) is None for field in DECODER_FIELDS[:3]):
+        raise ValueError(f"{where}: model_type {config.model_type!r} holds its language model's fields under "
+                         f"text_config (model_type {text.model_type!r}), beside its other towers; the predictions "
+                         "count a decoder alone: give its language model's config.json, written by `python -c "
+                         "\"from transformers import AutoConfig; AutoConfig.from_pretrained('DIR').get_text_config()"
+                         ".save_pretrained('text_config')\"` (DIR: the model's folder), then --config text_config "
+                         "(the other towers' weights and optimizer state not counted), or a preset (--model).")
     if missing:
         raise ValueError(f"{where}: no {', '.join(missing)} in the config; the predictions need a decoder's "
                          f"{', '.join(DECODER_FIELDS)} (a Llama-style config.json): add the missing field(s), or "

@@ -286,6 +286,7 @@ def _configuration(split: Callable[[Workload, int, int, RingTopology], BlockSpli
             topology = RingTopology(cp_size // per_node, per_node)
         plan = split(workload, cp_size, block_size, topology)
         return RingSetup(workload.layout(kind, plan), plan, topology, kind == "sparse")
+    setup.kind = kind  # ('dense' or 'sparse': which flags of the command the configuration reads)
     return setup
 
 

@@ -157,7 +157,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--estimation-chunk", type=at_least(BLOCK), default=None,
                    help="Charge the estimation of estimation='causal_chunks' with this chunk (default: each "
                    "document's last queries); a packed row is charged as one sequence (an upper bound).")
-    p.add_argument("--seed", type=int, default=0, help="Seed of the synthetic layouts and packed rows.")
+    p.add_argument("--seed", type=at_least(0), default=0, help="Seed of the synthetic layouts and packed rows.")
     p.add_argument("--json", default=None,
                    help="Output file (default: simulate-cluster_<model>_<cluster>[_<mix>].json in the results folder: "
                    "the current directory, benchmarks/results for benchmarks/simulate_cluster.py; a missing folder is "
@@ -174,6 +174,13 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.configs = args.configs or (list(CONFIGURATIONS) if args.all else list(DEFAULT_CONFIGS))
     args.mtraining = args.all if args.mtraining is None else args.mtraining
+    if not args.mtraining and all(CONFIGURATIONS[name].kind != "sparse" for name in args.configs):
+        for flag, value in (("--sparse-kernels", args.sparse_kernels and " ".join(args.sparse_kernels)),
+                            ("--density", args.density), ("--kept-curve", args.kept_curve)):
+            if value is not None:  # (read by the sparse rows alone: the table would not change)
+                p.error(f"{flag} {value} would not be read: --configs {' '.join(map(repr, args.configs))} has no "
+                        f"sparse configuration; add one (e.g. --configs 'dense ring' 'striped sparse'), or drop "
+                        f"{flag}.")
     args.sparse_kernels = tuple(dict.fromkeys(args.sparse_kernels or (SPARSE_KERNELS if args.all else ("ours",))))
     _check_lengths(p, args.seq, args.layout_heads)
     for seq in args.seq:
@@ -212,12 +219,27 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
     try:
         if args.png:  # (a plot asked for by name: refused before minutes of simulation, not after)
             require_matplotlib()
+            _check_image_format(args.png)
         for flag, path in (("--json", args.json), ("--png", args.png)):
             if path:
                 check_output_file(path, flag)
     except (ImportError, ValueError) as e:
         p.error(str(e))
     return args
+
+
+def _check_image_format(path: str) -> None:
+    """ValueError naming the fix unless `path` ends in an image format matplotlib writes (another suffix failed in
+    matplotlib after the simulation; none wrote `path`.png while the command named `path`)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = Path(path).suffix
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix[1:].lower() not in formats:
+        named = "no suffix names its image format" if not suffix else \
+            f"{suffix!r} is no image format matplotlib writes"
+        raise ValueError(f"--png {path}: {named}; give a file ending in .png, .pdf or .svg (or another of "
+                         f"{', '.join(sorted(formats))}).")
 
 
 def check_chunks(seq: int, cps: list[int]) -> None:
@@ -415,7 +437,8 @@ def row_label(r: dict) -> str:
 def format_row(r: dict) -> str:
     speed = f"{r['speedup_vs_dense_ring']:.2f}x" if r["speedup_vs_dense_ring"] else "-"
     kernel = f"{r['kernel']} (bound)" if r.get("bound") else r["kernel"]
-    return (f"{r['seq']:>8} {r['cp']:>3}  {row_label(r):<28}{kernel:<18}{r['kept']:>6.3f} {r['step_s']:>8.2f} "
+    # (a label with its mode and head-group size may be wider than its column: a space keeps it off the kernel)
+    return (f"{r['seq']:>8} {r['cp']:>3}  {row_label(r):<27} {kernel:<18}{r['kept']:>6.3f} {r['step_s']:>8.2f} "
             f"{r['tokens_per_s']:>9.0f} {speed:>8} {r['comm_share']:>6.1%} {'comm' if r['comm_bound'] else '':>6}")
 
 

@@ -20,7 +20,7 @@ import torch
 from ..attention.engines import check_engine_trains_on
 from ..config import SparseAttentionConfig
 from ..config.files import KnownKeywords, check_field_types, unread_fields_checked_by_caller
-from ..distributed import ContextParallelConfig, check_launched
+from ..distributed import ContextParallelConfig, check_launched, check_ring
 from ..scoped import scoped
 from ..smet import SMETConfig
 from ..smet.config import module_names
@@ -293,12 +293,15 @@ class PluginArgumentsMixin(KnownKeywords):
 
     def check_launch(self, env: Mapping[str, str] = os.environ) -> None:
         """`mesh.check_launched` for the run's CP degrees (`cp_degrees`; a refusal names the stage) in a launch
-        described by `env` (WORLD_SIZE)."""
+        described by `env` (WORLD_SIZE), and `mesh.check_ring` for a run of one CP degree (its hierarchical ring over
+        the launch's nodes: LOCAL_WORLD_SIZE, or --cp_node_size)."""
         for where, cp_size in self.cp_degrees():
             try:
                 check_launched([cp_size], env)
             except ValueError as e:
                 raise ValueError(f"{where}{e}") from None
+        if not self.cp_schedule and self.cp_size > 1:
+            check_ring(self.context_parallel_config(), env)
 
     def smet_arguments(self) -> SMETArguments:
         return from_prefixed(self, SMETArguments)

@@ -195,6 +195,18 @@ def test_plot_refuses_flags_it_would_ignore_or_fail_on_after_drawing(tmp_path, c
     assert f"hf-sparse-cp plot: error: {refused}" in capsys.readouterr().err
 
 
+def test_plot_names_a_text_file_that_is_not_utf8_text_before_loading(tmp_path, capsys):
+    """`--text_file model.safetensors` failed after loading the model with "'utf-8' codec can't decode bytes in
+    position ...", naming neither the flag nor the file."""
+    binary = tmp_path / "model.safetensors"
+    binary.write_bytes(b"\x88\x0b\x00\x00{\"__metadata__\": \xff\xfe}")
+    with pytest.raises(SystemExit) as stopped:
+        main(["plot", str(tmp_path), "--text_file", str(binary)])
+    assert stopped.value.code == 2
+    assert (f"hf-sparse-cp plot: error: --text_file {binary}: not UTF-8 text (a binary file?); give the file of a "
+            "text.") in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command, flag, close", [("plot", "--sparse_max_length", "--max_length"),
                                                    ("recipes", "--paht", "--path")])
 def test_a_mistyped_flag_of_plot_or_recipes_is_named_with_the_close_one_by_that_command(tmp_path, capsys, command,
@@ -206,6 +218,17 @@ def test_a_mistyped_flag_of_plot_or_recipes_is_named_with_the_close_one_by_that_
     err = capsys.readouterr().err
     assert refused.value.code == 2 and f"usage: hf-sparse-cp {command} " in err
     assert f"{command}: error: unrecognized arguments: {flag} 1024; did you mean {close} for {flag}?" in err
+
+
+def test_plots_positional_run_dir_given_as_a_flag_is_named_positional(tmp_path, capsys):
+    """`hf-sparse-cp plot --run_dir RUN` was answered 'did you mean --out_dir for --run_dir?', the output folder's
+    flag for the run's own folder, which plot takes without a flag."""
+    with pytest.raises(SystemExit) as refused:
+        main(["plot", "--run_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "--out_dir" not in err.splitlines()[-1], err
+    assert ("plot: error: unrecognized arguments: --run_dir; did you mean the value alone for --run_dir (run_dir is "
+            "positional)?") in err, err
 
 
 @pytest.mark.parametrize("layers", ["0,,3", "0,", ""])

@@ -397,6 +397,17 @@ def test_the_example_names_a_model_folder_without_its_tokenizer(tmp_path, capsys
         # '' (an unset shell variable) read as no value: the default output file written, the default curve read
         (["--json", ""], "--json '' is empty (an unset shell variable?): give its value, or drop the flag."),
         (["--kept-curve", " "], "--kept-curve ' ' is empty (an unset shell variable?)"),
+        # each a traceback after the simulation (numpy's seed; matplotlib's formats), or a file named wrongly ('wrote
+        # plot' for the plot.png matplotlib wrote)
+        (["--seed", "-1"], "argument --seed: -1 must be >= 0"),
+        (["--png", "plot.txt"], "--png plot.txt: '.txt' is no image format matplotlib writes; give a file ending in "
+                                ".png, .pdf or .svg (or another of "),
+        # flags of the sparse rows with the dense ring's alone: the table did not change
+        (["--configs", "dense ring", "--sparse-kernels", "flex"], "--sparse-kernels flex would not be read: --configs "
+         "'dense ring' has no sparse configuration; add one (e.g. --configs 'dense ring' 'striped sparse'), or drop "
+         "--sparse-kernels."),
+        (["--configs", "dense ring", "--density", "0.1"], "--density 0.1 would not be read: --configs 'dense ring'"),
+        (["--png", "plot"], "--png plot: no suffix names its image format; give a file ending in .png, .pdf or .svg"),
     ],
 )
 def test_the_simulator_refuses_values_it_cannot_simulate(capsys, flags, refused):
@@ -1309,3 +1320,30 @@ def test_position_ids_that_restart_inside_a_document_of_the_mask_or_cu_seq_lens_
         assert segment[[0, 19, 20, 49, 50, 59, 60]].tolist() == packed, kwargs
     for counted in ((mask.cumsum(-1) - 1).clamp_min(0), torch.arange(64)[None]):
         assert sequence_meta({"input_ids": ids, "attention_mask": mask, "position_ids": counted}).segment[0, 59] == 0
+
+
+
+@pytest.mark.parametrize("cp, env, refused", [
+    # --cp_node_size 3 for a CP group of 2 (a ValueError traceback on every rank, after the data was built)
+    ({"cp_size": 2, "cp_node_size": 3}, {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+     "a node holds 3 ranks (--cp_node_size 3), which is not a multiple of cp_size=2"),
+    # the launcher's count of ranks per node
+    ({"cp_size": 4}, {"WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "3"},
+     "cp_size=4 is not a multiple of the 3 ranks per node (LOCAL_WORLD_SIZE=3)"),
+])
+def test_a_hierarchical_ring_the_nodes_cannot_hold_is_refused_at_launch(tmp_path, cp, env, refused):
+    """`hf-sparse-cp launch --nproc 2 train.py --cp_size 2 --cp_ring hierarchical --cp_node_size 3` ended in a
+    ValueError traceback on every rank once the Trainer built its process groups (exit status 1): the ring's shape
+    is checked with the launch (`check_launch`: a refusal before the script builds its data), naming where the ranks
+    per node come from; shapes that run pass, and the launcher, which knows no ranks per node, leaves it to them."""
+    from hf_sparse_cp import SparseTrainingArguments
+
+    def args(**changed):
+        return SparseTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                                       **{"cp_ring": "hierarchical", **cp, **changed})
+
+    with pytest.raises(ValueError, match=re.escape(refused)):
+        args().check_launch(env)
+    if "cp_node_size" not in cp:  # (no ranks per node known, from the launch or the flag: nothing to check)
+        args().check_launch({"WORLD_SIZE": env["WORLD_SIZE"]})
+    args(cp_node_size=2).check_launch(env)  # two nodes' inner rings of 2 (4), or one node of 2 (flat)

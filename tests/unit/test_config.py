@@ -339,6 +339,18 @@ def test_file_errors_name_the_file_and_the_field(tmp_path, monkeypatch, name, te
         SparseAttentionConfig.from_file(name)
 
 
+@pytest.mark.parametrize("name", ["weights.json", "weights.yaml"])
+def test_a_binary_file_named_as_a_config_is_named_not_utf8_text(tmp_path, monkeypatch, name):
+    """A binary file under a config's suffix (model.safetensors copied or renamed) was refused as Python's "'utf-8'
+    codec can't decode bytes in position ...", naming neither the file nor what it should be; it is named as the
+    syntax errors are."""
+    monkeypatch.chdir(tmp_path)
+    Path(name).write_bytes(b"\x88\x0b\x00\x00{\"__metadata__\": \xff\xfe}")
+    with pytest.raises(ValueError, match=f"Config file '{name}' is not valid {name[-4:].upper()}: not UTF-8 text "
+                                         r"\(a binary file\?\)"):
+        SparseAttentionConfig.from_file(name)
+
+
 def test_hf_argument_parser_flags(tmp_path):
     parser = HfArgumentParser((SparseCPArguments, SparseAttentionFlags))
     args, flags = parser.parse_args_into_dataclasses(

@@ -113,6 +113,9 @@ def test_a_report_is_read_with_its_settings_block_size_and_wrong_files_are_named
     other.write_text("not json")
     with pytest.raises(ValueError, match="other.json: not JSON; give a report that benchmarks/pattern_quality.py"):
         KeptCurve.from_report(other)
+    other.write_bytes(b"\x88\x0b\x00\x00{\"__metadata__\": \xff\xfe}")  # (a binary file: 'utf-8' codec can't...)
+    with pytest.raises(ValueError, match="other.json: not JSON; give a report that benchmarks/pattern_quality.py"):
+        KeptCurve.from_report(other)
     with pytest.raises(ValueError, match="missing.json: No such file or directory; give a report"):
         KeptCurve.from_report(tmp_path / "missing.json")
 

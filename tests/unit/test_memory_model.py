@@ -857,3 +857,55 @@ def test_each_preset_counts_the_parameters_of_its_model(name):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert arch.params + (2 * s.head_dim * s.layers if qwen3 else 0) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("command", ["memory", "simulate"])
+def test_a_config_that_is_not_text_is_refused_naming_the_file(command, tmp_path, capsys):
+    """`--config model.safetensors` (a weights file for its config.json) was refused as "'utf-8' codec can't decode
+    bytes in position ...", naming neither the file nor the fix; it is named as not a config.json, as JSON that does
+    not parse is."""
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\x88\x0b\x00\x00\x00\x00\x00\x00{\"__metadata__\": \xff\xfe}")
+    rest = ["--quiet"] if command == "memory" else ["--seq", "8192", "--cp", "2"]
+    with pytest.raises(SystemExit) as refused:
+        cli_main([command, "--config", str(weights), *rest])
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and out == "" and "Traceback" not in err, err
+    assert f"--config {weights}: not JSON text (a binary file); give a model's config.json" in err, err
+
+
+@pytest.mark.parametrize("command", ["memory", "simulate"])
+def test_a_multimodal_config_names_its_text_config_as_the_fix(command, tmp_path, capsys):
+    """A Gemma 3 4B-style config.json (model_type 'gemma3': the language model's fields under text_config) was refused
+    as missing num_hidden_layers, hidden_size, ... with "add the missing field(s)", while they are in the file: it is
+    named as a multimodal model, with the command that writes its language model's config, which then answers."""
+    from transformers import AutoConfig
+
+    folder = tmp_path / "gemma-3-4b"
+    AutoConfig.for_model("gemma3").save_pretrained(folder)
+    rest = ["--quiet"] if command == "memory" else ["--seq", "8192", "--cp", "2"]
+    with pytest.raises(SystemExit) as refused:
+        cli_main([command, "--config", str(folder), *rest])
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and out == "" and "Traceback" not in err, err
+    assert (f"--config {folder}: model_type 'gemma3' holds its language model's fields under text_config (model_type "
+            "'gemma3_text')") in err, err
+    assert "add the missing field" not in err
+    fix = re.search(r"`python -c \"(.*?)\"`", err).group(1).replace("DIR", str(folder)).replace(
+        "text_config'", str(tmp_path / "text_config") + "'")
+    exec(fix)  # (the fix's own command; its answer, the memory command's: simulate's plot starts a process)
+    cli_main(["memory", "--config", str(tmp_path / "text_config"), "--quiet"])
+    assert capsys.readouterr().out.strip().isdigit()
+
+
+def test_a_mixture_of_experts_is_refused_naming_the_field_its_config_json_holds(tmp_path, capsys):
+    """DeepSeek-V3's config.json (n_routed_experts: 256) was refused as "num_local_experts=256", a field the file does
+    not hold (transformers' alias of it): the refusal names the config's own field."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("deepseek_v3", n_routed_experts=8).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["memory", "--config", str(tmp_path), "--quiet"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "Traceback" not in err, err
+    assert f"--config {tmp_path}: n_routed_experts=8: a mixture of experts" in err, err

@@ -114,3 +114,16 @@ def test_sliding_window_layers_run_the_all_to_alls_and_the_ring_over_their_windo
     causal, whole, short = step(None), step(S), step(1024)
     assert whole["sliding_layers"] == model.layers and whole["step_s"] == pytest.approx(causal["step_s"], rel=1e-12)
     assert short["step_s"] < causal["step_s"]
+
+
+def test_a_head_group_rows_configuration_stays_apart_from_its_kernel():
+    """`simulate --cp 16 --cp_mode ulysses` printed 'striped sparse / ulysses h16ours': a configuration with its mode
+    and head-group size is wider than its column, and ran into the kernel's; the columns are kept apart by a space."""
+    from hf_sparse_cp.simulator.simulate_cli import HEADER, format_row
+
+    row = dict(seq=8192, cp=16, config="hierarchical planner sparse", mode="ulysses", head_size=16, kernel="ours",
+               kept=0.79, step_s=0.14, tokens_per_s=58525, speedup_vs_dense_ring=0.35, comm_share=0.076,
+               comm_bound=False)
+    assert "hierarchical planner sparse / ulysses h16 ours " in format_row(row)
+    plain = format_row({**row, "head_size": 1})  # (a row without head groups keeps its column under the header's)
+    assert plain.index("ours") == HEADER.index("kernel")
