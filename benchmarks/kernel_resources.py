@@ -121,7 +121,7 @@ def _cells(r: dict | None) -> str:
     t = r["tiles"]
     tiles = (f"{t['block_m']}x{t['block_n']}/{t['block_c']}{'s' if t.get('separate_columns') else ''}"
              f"{'T' if t.get('kv_descriptors') else ''}{'M' if t.get('tile_major') else ''}"
-             f"{'R' if t.get('column_meta_reload') else ''}"
+             f"{'R' if t.get('column_meta_reload') else ''}{'L' if t.get('lean_index') else ''}"
              f"{'*' if r.get('launched') else ''}")
     if "error" in r:
         return f"{tiles:<12} {r['error']}"[:52].ljust(52)

@@ -19,8 +19,8 @@ the compiled one first: the H200 call of 2026-12-04 measured the kernels' stages
   (the work around attention fused by inductor there, as the plugin's 'auto' leaves it in a compiled model);
 - tiles: `tune_tiles.py --shortlist --kernels columns dq forward dkdv` at 128K (the attention stage's geometry):
   the whole backward with the columns' dk/dv from the key-major kernel (`kernels/column_bwd.py`) against the dq
-  kernel's atomics, then the few candidates of dq, the forward and dk/dv (FlexAttention's grid order, TMA, column
-  steps that read their tokens once: `Tiles.column_meta_reload`), each
+  kernel's atomics, then the few candidates of dq, the forward and dk/dv (FlexAttention's grid order, TMA, its row
+  addressing: `Tiles.lean_index`), each
   checked against the launched tiles' result and each kernel timed with the earlier ones' chosen tiles. Its
   `chosen` tiles (a candidate at least 2% faster than the launched tiles and computing their result; none
   otherwise) are the tile table the stages after it launch from (`$HF_SPARSE_CP_TILES`, set only when tiles.json

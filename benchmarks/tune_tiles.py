@@ -19,8 +19,8 @@ launches on that GPU and geometry use (benchmarks/gpu_session.sh quick: its late
 times the launchers' own tiles as the current ones, whatever that variable says.
 
 dq candidates come in pairs: the columns' dk/dv inside the dq loop, or in a separate pass
-(`Tiles.separate_columns`, column "sep"; "tma", "tm" and "rl": `Tiles.kv_descriptors`, `tile_major`,
-`column_meta_reload`). `--kernels columns` times the whole backward with the
+(`Tiles.separate_columns`, column "sep"; "tma", "tm", "rl" and "ln": `Tiles.kv_descriptors`, `tile_major`,
+`column_meta_reload`, `lean_index`). `--kernels columns` times the whole backward with the
 columns' dk/dv from the key-major kernel (`kernels/column_bwd.py`, column "steps": query tiles per
 program) against the launched path (the dq kernel's atomics, the "current" row, shown with the dq tiles).
 
@@ -143,7 +143,7 @@ def choose(rows: list[dict], min_gain: float = MIN_GAIN) -> dict | None:
 
 def format_table(kernel: str, rows: list[dict]) -> str:
     header = (f"{kernel:<7} {'m':>4} {'n':>4} {'c':>3} {'warps':>5} {'stages':>6} {'sep':>3} {'tma':>3} {'tm':>3} "
-              f"{'rl':>3} {'steps':>5} {'ms':>9} {'x current':>9}  note")
+              f"{'rl':>3} {'ln':>3} {'steps':>5} {'ms':>9} {'x current':>9}  note")
     lines = [header, "-" * len(header)]
     base = next((r["ms"] for r in rows if r["current"] and r["status"] == "ok"), None)
     for r in rank(rows):
@@ -151,7 +151,7 @@ def format_table(kernel: str, rows: list[dict]) -> str:
         cells = (f"{'':<7} {t['block_m']:>4} {t['block_n']:>4} {t['block_c']:>3} {t['num_warps']:>5} "
                  f"{t['num_stages']:>6} {'yes' if t['separate_columns'] else '':>3} "
                  f"{'yes' if t.get('kv_descriptors') else '':>3} {'yes' if t.get('tile_major') else '':>3} "
-                 f"{'yes' if t.get('column_meta_reload') else '':>3} "
+                 f"{'yes' if t.get('column_meta_reload') else '':>3} {'yes' if t.get('lean_index') else '':>3} "
                  f"{t.get('query_steps', 1) if kernel == 'columns' and not r['current'] else '':>5}")
         if r["status"] == "ok":
             speedup = f"{base / r['ms']:9.2f}" if base else " " * 9

@@ -28,7 +28,10 @@ in a second pass over the columns after dq is stored: p and ds are recomputed (2
 per column step), but the dq accumulator is no longer live beside the column gradient tiles.
 
 With `Tiles.kv_descriptors` the dq kernel's key-block loop loads its K/V tiles through TMA tensor
-descriptors, as the forward's does.
+descriptors, as the forward's does. With `Tiles.lean_index` (a tuning candidate) the dq kernel's key blocks are
+addressed as the forward's are then (`block_sparse_fwd.lean_rows`), and each dk/dv step reads a packed CSR entry
+(`indexing.key_block_csr`): its head and query block by a shift and a mask, its rows from the head's base
+(`_lean_query_step`).
 
 Both kernels run a layout row's full key blocks (every pair visible) before its partial ones
 (`indexing.LayoutSplit`; in the transposed CSR, each key block's full entries first), and the dq
@@ -54,10 +57,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_sparse_fwd import dot_precision, kv_descriptors, launch_grid, placeholder_if_empty
+from .block_sparse_fwd import dot_precision, kv_descriptors, launch_grid, lean_rows, placeholder_if_empty
 from .column_bwd import column_grads
 from .configs import FP_FUSION, column_check_chunk, column_tiles, compiled, dkdv_tiles, dq_tiles
-from .indexing import column_targets, key_block_csr
+from .indexing import PACKED_BLOCK_BITS, column_targets, key_block_csr, packed_entries_fit
 from .tiles import (
     LOG2E,
     column_step_masked,
@@ -170,6 +173,7 @@ def _dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_WINDOW: tl.constexpr, COLUMN_GRADS: tl.constexpr, SEPARATE_COLUMNS: tl.constexpr, PRECISION: tl.constexpr,
     KV_DESCRIPTORS: tl.constexpr, TILE_MAJOR: tl.constexpr, CHECK_CHUNK: tl.constexpr, META_RELOAD: tl.constexpr,
+    ROWS_I32: tl.constexpr, WHOLE_ROWS: tl.constexpr,
 ):
     pid_bh, tile, n_tiles = program_tile(TILE_MAJOR)
     tile += tile_offset
@@ -204,7 +208,7 @@ def _dq_kernel(
         kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs,
                                                      KDesc, VDesc, b.to(tl.int32), kvh.to(tl.int32), k_len,
                                                      num_k_blocks, offs_d, d_ok, SUB, LAYOUT_BLOCK, BLOCK_N, BLOCK_D,
-                                                     KV_DESCRIPTORS)
+                                                     KV_DESCRIPTORS, ROWS_I32, WHOLE_ROWS)
         bad = bad | kb_bad
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
         if i >= n_full:
@@ -246,6 +250,30 @@ def _dq_kernel(
 
 
 @triton.jit
+def _lean_query_step(Q, DOut, Lse2, Delta, b, h, offs_m, m_ok, offs_d, d_ok, stride_qb, stride_qh, stride_qs, stride_db,
+                     stride_dh, stride_ds, num_q_heads, q_len, ROWS_I32: tl.constexpr, WHOLE_ROWS: tl.constexpr):
+    """A dk/dv step's query rows `offs_m` of head `h` (`Tiles.lean_index`): their Q and dO tiles, base-2 lse and delta,
+    addressed from the (batch row, head)'s int64 base with the rows offset in int32 where they fit (ROWS_I32), loaded
+    without masks where every row and lane lies inside the tensors (WHOLE_ROWS)."""
+    if ROWS_I32:
+        rows = offs_m[:, None]
+    else:
+        rows = offs_m.to(tl.int64)[:, None]
+    h64 = h.to(tl.int64)
+    q_ptr = Q + (b * stride_qb + h64 * stride_qh) + rows * stride_qs + offs_d[None, :]
+    do_ptr = DOut + (b * stride_db + h64 * stride_dh) + rows * stride_ds + offs_d[None, :]
+    head_row = (b * num_q_heads + h64) * q_len
+    lse_ptr = Lse2 + head_row + offs_m
+    delta_ptr = Delta + head_row + offs_m
+    if WHOLE_ROWS:
+        return tl.load(q_ptr), tl.load(do_ptr), tl.load(lse_ptr), tl.load(delta_ptr)
+    q_mask = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr, mask=q_mask, other=0.0)
+    do = tl.load(do_ptr, mask=q_mask, other=0.0)
+    return q, do, tl.load(lse_ptr, mask=m_ok, other=float("inf")), tl.load(delta_ptr, mask=m_ok, other=0.0)
+
+
+@triton.jit
 def _dkdv_kernel(
     Q, K, V, DOut, Lse2, Delta, ColDK, ColDV, DK, DV,
     RowPtr, Entries,
@@ -260,6 +288,8 @@ def _dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, TILE_MAJOR: tl.constexpr,
+    LEAN: tl.constexpr, REP: tl.constexpr, BLOCK_BITS: tl.constexpr, ROWS_I32: tl.constexpr,
+    WHOLE_ROWS: tl.constexpr,
 ):
     if TILE_MAJOR:  # grid (key tiles, B x Hkv): the key tiles of one kv head next to each other
         pid_bk = tl.program_id(1)
@@ -282,8 +312,11 @@ def _dkdv_kernel(
     k_idx, k_seg = load_meta(KIndex + b * k_len, KSegment + b * k_len, offs_n, n_ok)
     kb = key_tile * BLOCK_N // LAYOUT_BLOCK
 
-    # a shared layout's entries stand for every head of the group: `rep` heads per entry
-    rep = tl.where(shared_layout != 0, group, 1)
+    # a shared layout's entries stand for every head of the group: `rep` heads per entry (with LEAN the constant REP)
+    if LEAN:
+        rep = REP
+    else:
+        rep = tl.where(shared_layout != 0, group, 1)
     seg = (b * tl.where(shared_layout != 0, 1, num_kv_heads) + tl.where(shared_layout != 0, 0, kvh)) * num_k_blocks
     seg += kb
 
@@ -308,17 +341,25 @@ def _dkdv_kernel(
     _, n_partial = key_block_steps(RowPtr, 2 * seg + 1, per_entry)
     for i in range(n_full + n_partial):
         entry, r = key_block_entry(Entries, lo, i, per_entry)
-        h = (kvh * group + entry // num_q_blocks + r // SUB).to(tl.int64)
-        offs_m = (entry % num_q_blocks) * LAYOUT_BLOCK + (r % SUB) * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < q_len
-        q_mask = m_ok[:, None] & d_ok[None, :]
-        rows = offs_m.to(tl.int64)[:, None]
-        q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
-        do = tl.load(DOut + b * stride_db + h * stride_dh + rows * stride_ds + offs_d[None, :], mask=q_mask,
-                     other=0.0)
-        row = (b * num_q_heads + h) * q_len + offs_m
-        lse2 = tl.load(Lse2 + row, mask=m_ok, other=float("inf"))
-        delta = tl.load(Delta + row, mask=m_ok, other=0.0)
+        if LEAN:  # packed entries (`indexing.key_block_csr`): the head above BLOCK_BITS, the query block below
+            h = kvh * group + (entry >> BLOCK_BITS) + r // SUB
+            offs_m = (entry & ((1 << BLOCK_BITS) - 1)) * LAYOUT_BLOCK + (r % SUB) * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < q_len
+            q, do, lse2, delta = _lean_query_step(Q, DOut, Lse2, Delta, b, h, offs_m, m_ok, offs_d, d_ok, stride_qb,
+                                                  stride_qh, stride_qs, stride_db, stride_dh, stride_ds, num_q_heads,
+                                                  q_len, ROWS_I32, WHOLE_ROWS)
+        else:
+            h = (kvh * group + entry // num_q_blocks + r // SUB).to(tl.int64)
+            offs_m = (entry % num_q_blocks) * LAYOUT_BLOCK + (r % SUB) * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < q_len
+            q_mask = m_ok[:, None] & d_ok[None, :]
+            rows = offs_m.to(tl.int64)[:, None]
+            q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+            do = tl.load(DOut + b * stride_db + h * stride_dh + rows * stride_ds + offs_d[None, :], mask=q_mask,
+                         other=0.0)
+            row = (b * num_q_heads + h) * q_len + offs_m
+            lse2 = tl.load(Lse2 + row, mask=m_ok, other=float("inf"))
+            delta = tl.load(Delta + row, mask=m_ok, other=0.0)
         p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
         if i >= n_full:
             q_idx, q_seg = load_meta(q_index, q_segment, offs_m, m_ok)
@@ -451,6 +492,7 @@ def backward(
             HAS_WINDOW=window is not None, COLUMN_GRADS=mode, SEPARATE_COLUMNS=tiles.separate_columns,
             PRECISION=precision, KV_DESCRIPTORS=k_desc is not k, TILE_MAJOR=tiles.tile_major,
             CHECK_CHUNK=column_check_chunk(on_gpu, tiles.block_c), META_RELOAD=tiles.column_meta_reload,
+            **lean_rows(tiles.lean_index and k_desc is k, sk, block_size, d, block_d, k, v),
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION,
         )
 
@@ -479,7 +521,8 @@ def backward(
             )
 
     kv_tiles = dkdv_tiles(block_size, d, on_gpu, q.dtype)
-    row_ptr, entries = key_block_csr(block_idx, block_cnt, partial, hq, hk, nkb)
+    lean = kv_tiles.lean_index and packed_entries_fit(hq // hk, nqb)
+    row_ptr, entries = key_block_csr(block_idx, block_cnt, partial, hq, hk, nkb, packed=lean)
     _dkdv_kernel[launch_grid(b * hk, triton.cdiv(sk, kv_tiles.block_n), kv_tiles)](
         q, k, v, dout, lse2, delta, col_dk, col_dv, dk, dv,
         row_ptr, placeholder_if_empty(entries),
@@ -490,6 +533,8 @@ def backward(
         HEAD_DIM=d, BLOCK_D=block_d, LAYOUT_BLOCK=block_size,
         BLOCK_M=kv_tiles.block_m, BLOCK_N=kv_tiles.block_n,
         HAS_WINDOW=window is not None, HAS_COLUMNS=has_cols, PRECISION=precision, TILE_MAJOR=kv_tiles.tile_major,
+        LEAN=lean, REP=hq // hk if lean and hl == 1 else 1, BLOCK_BITS=PACKED_BLOCK_BITS,
+        **lean_rows(lean, sq, block_size, d, block_d, q, dout),
         num_warps=kv_tiles.num_warps, num_stages=kv_tiles.num_stages, enable_fp_fusion=FP_FUSION,
     )
     return dq, dk, dv

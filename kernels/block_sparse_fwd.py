@@ -17,7 +17,8 @@ load, no store, no rounding).
 
 With `Tiles.kv_descriptors` (off in the launched tiles until timed on a GPU) the key-block loop
 loads its K/V tiles through TMA tensor descriptors (one bulk copy per tile on sm_90) where the
-tensors allow it (`descriptors_fit`); the columns keep their gathers.
+tensors allow it (`descriptors_fit`); the columns keep their gathers. With `Tiles.lean_index` (a tuning candidate)
+the key-block pointer loads take their rows as FlexAttention's statically shaped kernel does (`lean_rows`).
 
 A layout row's full key blocks (every pair visible) run before its partial ones, and column steps
 inside the row's run of fully visible columns skip the mask too (`indexing.LayoutSplit`, computed
@@ -35,6 +36,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .configs import FP_FUSION, column_check_chunk, compiled, forward_tiles
+from .indexing import INT32_MAX
 from .tiles import (
     LN2,
     LOG2E,
@@ -95,7 +97,8 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LAYOUT_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_WINDOW: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr, KV_DESCRIPTORS: tl.constexpr,
-    TILE_MAJOR: tl.constexpr, CHECK_CHUNK: tl.constexpr, META_RELOAD: tl.constexpr,
+    TILE_MAJOR: tl.constexpr, CHECK_CHUNK: tl.constexpr, META_RELOAD: tl.constexpr, ROWS_I32: tl.constexpr,
+    WHOLE_ROWS: tl.constexpr,
 ):
     pid_bh, tile, n_tiles = program_tile(TILE_MAJOR)
     b, h, kvh, qb, lay, offs_m, m_ok, offs_d, d_ok = query_tile(
@@ -132,7 +135,7 @@ def _forward_kernel(
         kb_bad, offs_n, n_ok, k, v = load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs,
                                                      KDesc, VDesc, b.to(tl.int32), kvh.to(tl.int32), k_len,
                                                      num_k_blocks, offs_d, d_ok, SUB, LAYOUT_BLOCK, BLOCK_N, BLOCK_D,
-                                                     KV_DESCRIPTORS)
+                                                     KV_DESCRIPTORS, ROWS_I32, WHOLE_ROWS)
         bad = bad | kb_bad
         s = _scores(q, k, qk_scale, PRECISION)
         if i >= n_full:
@@ -251,8 +254,18 @@ def forward(
         HAS_WINDOW=window is not None, MERGE=merge, PRECISION=dot_precision(q.dtype),
         KV_DESCRIPTORS=k_desc is not k, TILE_MAJOR=tiles.tile_major,
         CHECK_CHUNK=column_check_chunk(compiled(q.device), tiles.block_c), META_RELOAD=tiles.column_meta_reload,
+        **lean_rows(tiles.lean_index and k_desc is k, sk, block_size, d, block_d, k, v),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=FP_FUSION,
     )
+
+
+def lean_rows(lean: bool, length: int, block_size: int, head_dim: int, block_d: int, *tensors: torch.Tensor) -> dict:
+    """The row addressing of a `Tiles.lean_index` launch whose steps load `block_size`-row blocks of `tensors`
+    ([B, H, S, D] with S = `length`): ROWS_I32, rows offset in int32 from the (batch row, head)'s base, where every
+    row's offset fits; WHOLE_ROWS, loads without masks, where the rows fill whole blocks and the head fills the
+    tile's lanes. Both False without `lean` (the launchers' addressing)."""
+    return {"ROWS_I32": lean and all(length * x.stride(2) + head_dim <= INT32_MAX for x in tensors),
+            "WHOLE_ROWS": lean and length % block_size == 0 and head_dim == block_d}
 
 
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, block_d: int) -> tuple:

@@ -57,6 +57,14 @@ class Tiles:
         fewer instructions per unmasked column step, at the price of one more dependent load in a masked one (at
         most one step a row without documents or a window: the row's last, partly used). Triton 3.9 already loads
         them once (3-4% fewer). Off in the launched tiles until a GPU has timed it (benchmarks/results/README.md).
+    lean_index: rows addressed as FlexAttention's statically shaped kernels address theirs: the key-block loads of the
+        forward and dq (pointer loads; TMA descriptors take their own) and the query rows of each dk/dv step (Q, dO,
+        lse, delta) are offset in int32 from their (batch row, head)'s base where the tensors' rows fit int32, and
+        load without masks where the rows fill whole layout blocks and the head the tile's lanes
+        (`block_sparse_fwd.lean_rows`); dk/dv's key-block CSR entries carry the query head in their high bits
+        (`indexing.key_block_csr` `packed`), so a step finds its head and query block with a shift and a mask
+        instead of two divisions by runtime values, with the heads an entry stands for a compile-time constant.
+        The same products in the same order. Off in the launched tiles until a GPU has timed it.
     """
 
     block_m: int
@@ -69,6 +77,7 @@ class Tiles:
     query_steps: int = 1
     tile_major: bool = False
     column_meta_reload: bool = False
+    lean_index: bool = False
 
 
 # Tiles set by `tiles_override` (tuning runs), by kernel name.
@@ -181,10 +190,10 @@ def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[in
     rows on the M side of every product), 2 to 4 pipeline stages, for dq the columns' dk/dv in the dq loop
     or in a separate pass, for the forward and dq the key blocks through pointer loads or TMA tensor
     descriptors (`Tiles.kv_descriptors`), for these and dk/dv either grid order (`Tiles.tile_major`), for the
-    forward and dq masked column steps with and without their own read of the slots (`Tiles.column_meta_reload`);
-    sizes above the layout block are dropped. The columns kernel:
-    chunks of 64 columns, 64- or 128-row query steps, 16 or 32 steps a program, 2 stages (its inner loop
-    is not pipelined: its sm_90 builds are the same at 1 to 3).
+    forward and dq masked column steps with and without their own read of the slots (`Tiles.column_meta_reload`),
+    for all three the rows of each step addressed either way (`Tiles.lean_index`); sizes above the layout block are
+    dropped. The columns kernel: chunks of 64 columns, 64- or 128-row query steps, 16 or 32 steps a program,
+    2 stages (its inner loop is not pipelined: its sm_90 builds are the same at 1 to 3).
 
     Warps (unless given): 8 only above head_dim 64, where every 4-warp build spilled more (see
     benchmarks/results/README.md); 4 and 8 at head_dim 64 and below."""
@@ -195,12 +204,13 @@ def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[in
     separate = (False, True) if kernel == "dq" else (False,)
     if kernel == "dkdv":  # block_n: keys of a program (M side); block_m: query rows of a step
         grid = itertools.product((32, 64, 128), (64, 128), (64,), warps, (2, 3, 4), separate, (False,), (1,),
-                                 (False, True), (False,))
+                                 (False, True), (False,), (False, True))
     elif kernel == "columns":  # block_c: column tokens of a chunk (M side); block_m: query rows of a step
-        grid = itertools.product((64, 128), (0,), (64,), warps, (2,), separate, (False,), (16, 32), (False,), (False,))
+        grid = itertools.product((64, 128), (0,), (64,), warps, (2,), separate, (False,), (16, 32), (False,), (False,),
+                                 (False,))
     else:  # forward, dq: block_m query rows of a program (M side); block_n key rows of a step
         grid = itertools.product((64, 128), (32, 64, 128), (64,), warps, (2, 3, 4), separate, (False, True), (1,),
-                                 (False, True), (False, True))
+                                 (False, True), (False, True), (False, True))
     tiles = [Tiles(*t) for t in grid if t[0] <= block_size and t[1] <= block_size]
     return [t for t in tiles if narrowest_wgmma_n(kernel, t, head_dim) >= MIN_WGMMA_N]
 
@@ -216,13 +226,18 @@ def tile_candidates(kernel: str, block_size: int, head_dim: int, warps: tuple[in
 # and dq with and without TMA) replace the candidates the H200 timed slowest (dq's separate column pass and 128 x 32,
 # the forward's TMA alone, dk/dv at 2 stages and 64 x 64); dq's TMA alone, a tie there, stays. Then (2026-12-01) the
 # column steps that read their tokens once (`Tiles.column_meta_reload`: fewer instructions per column step on Triton
-# 3.6) replaced the forward's and dq's TMA with the grid order together.
+# 3.6) replaced the forward's and dq's TMA with the grid order together. Since 2026-12-05 FlexAttention's row
+# addressing (`Tiles.lean_index`: 9-27% fewer instructions per key-block step on Triton 3.6, benchmarks/results/
+# README.md) replaces what the H200 timed slowest or level on 2026-12-04: the forward's column_meta_reload (+1.6%),
+# dq's (-0.5%) and dk/dv's 32 x 128 (+9.7%); the forward and dk/dv take it beside the tile-major order (the forward's
+# choice there; dk/dv's lean build spills in the loop in the launched order, not in this one).
 SHORTLIST = {
     "forward": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, tile_major=True),
-                Tiles(128, 64, 64, 8, 3, column_meta_reload=True)],
+                Tiles(128, 64, 64, 8, 3, tile_major=True, lean_index=True)],
     "dq": [Tiles(128, 64, 64, 8, 3), Tiles(128, 64, 64, 8, 3, kv_descriptors=True),
-           Tiles(128, 64, 64, 8, 3, tile_major=True), Tiles(128, 64, 64, 8, 3, column_meta_reload=True)],
-    "dkdv": [Tiles(64, 128, 64, 8, 3), Tiles(64, 128, 64, 8, 3, tile_major=True), Tiles(32, 128, 64, 8, 3)],
+           Tiles(128, 64, 64, 8, 3, tile_major=True), Tiles(128, 64, 64, 8, 3, lean_index=True)],
+    "dkdv": [Tiles(64, 128, 64, 8, 3), Tiles(64, 128, 64, 8, 3, tile_major=True),
+             Tiles(64, 128, 64, 8, 3, tile_major=True, lean_index=True)],
     # (128-row steps: no spill at head_dim 128 since the kernel's rework, benchmarks/results/README.md)
     "columns": [Tiles(64, 0, 64, 8, 2, query_steps=16), Tiles(64, 0, 64, 8, 2, query_steps=32),
                 Tiles(128, 0, 64, 8, 2, query_steps=16)],

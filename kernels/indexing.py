@@ -26,6 +26,9 @@ from typing import NamedTuple
 import torch
 
 INT32_MAX = 2**31 - 1
+# A packed key-block CSR entry (`key_block_csr(packed=True)`): the query head in its group above this many bits,
+# the query block below them; heads per group up to 2**(31 - bits), query blocks up to 2**bits.
+PACKED_BLOCK_BITS = 24
 # Elements of one head chunk's [B, heads, NQB, slots] temporaries in `full_column_range`.
 _CHUNK_ELEMENTS = 1 << 24
 
@@ -179,6 +182,7 @@ def key_block_csr(
     num_q_heads: int,
     num_kv_heads: int,
     num_k_blocks: int,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (batch, key-head group, key block) the (query head in group, query block) pairs that list
     it, those of full block pairs first.
@@ -189,7 +193,8 @@ def key_block_csr(
     segment s = (b, g, kb) holds its full entries in entries[row_ptr[2s]:row_ptr[2s+1]] and its
     partial ones in entries[row_ptr[2s+1]:row_ptr[2s+2]], each `head_in_group * NQB + query_block`
     (head_in_group = 0 for a shared layout, whose entries stand for every head of the group),
-    ascending. Row pointers are int64: the entries of a dense
+    ascending; with `packed`, `head_in_group << PACKED_BLOCK_BITS | query_block` instead (the same order; the
+    caller checks that both fit: `packed_entries_fit`). Row pointers are int64: the entries of a dense
     layout pass 2**31 at 1M tokens with a batch of 2 and 32 heads. A block index outside [0, NKB) is
     left out (the query-major kernels flag it), so no segment gets another head's or batch row's
     block.
@@ -205,10 +210,17 @@ def key_block_csr(
     valid = (torch.arange(mb, device=dev) < block_cnt.unsqueeze(-1)) & (block_idx >= 0) & (block_idx < num_k_blocks)
     seg = (bb * seg_heads + lh // group) * num_k_blocks + block_idx
     key = torch.where(valid, 2 * seg + partial, 2 * n_seg).flatten()
-    entry = ((lh % group) * nqb + qb).to(torch.int32).expand(b, hl, nqb, mb).flatten()
+    head = (lh % group) << PACKED_BLOCK_BITS if packed else (lh % group) * nqb
+    entry = (head + qb).to(torch.int32).expand(b, hl, nqb, mb).flatten()
     sorted_key, order = torch.sort(key, stable=True)
     bounds = torch.arange(2 * n_seg + 1, device=dev)
     return torch.searchsorted(sorted_key, bounds), entry[order]
+
+
+def packed_entries_fit(group: int, num_q_blocks: int) -> bool:
+    """Whether packed key-block CSR entries (`key_block_csr`) can hold `group` heads per key head and
+    `num_q_blocks` query blocks in an int32."""
+    return group <= 1 << (31 - PACKED_BLOCK_BITS) and num_q_blocks <= 1 << PACKED_BLOCK_BITS
 
 
 def column_targets(

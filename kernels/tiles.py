@@ -108,16 +108,34 @@ def block_step(BlockIdx, lay, max_blocks, i, num_k_blocks, SUB: tl.constexpr, LA
 @triton.jit
 def load_block_step(BlockIdx, lay, max_blocks, i, k_base, v_base, stride_ks, stride_vs, KDesc, VDesc, b, kvh, k_len,
                     num_k_blocks, offs_d, d_ok, SUB: tl.constexpr, LAYOUT_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, KV_DESCRIPTORS: tl.constexpr):
+                    BLOCK_D: tl.constexpr, KV_DESCRIPTORS: tl.constexpr, ROWS_I32: tl.constexpr,
+                    WHOLE_ROWS: tl.constexpr):
     """`block_step` with its keys' offsets and bounds, and their K and V tiles: masked pointer loads,
     or with KV_DESCRIPTORS through tensor descriptors of K and V ([B, Hkv, Sk, D], blocks [1, 1,
-    BLOCK_N, BLOCK_D]; one TMA copy per tile on sm_90, keys past Sk and lanes past D read as zeros)."""
+    BLOCK_N, BLOCK_D]; one TMA copy per tile on sm_90, keys past Sk and lanes past D read as zeros).
+    `Tiles.lean_index` launches (`lean_rows`) offset the pointer loads' rows from the head's base in int32 where
+    they fit (ROWS_I32) and load without masks where every key block is whole and every lane real (WHOLE_ROWS:
+    a step's block index is in range or replaced by block 0, so its keys lie inside the tensors)."""
     n0, kb_bad = block_step(BlockIdx, lay, max_blocks, i, num_k_blocks, SUB, LAYOUT_BLOCK, BLOCK_N)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < k_len
     if KV_DESCRIPTORS:
         k = KDesc.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_D)
         v = VDesc.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+    elif ROWS_I32 or WHOLE_ROWS:
+        if ROWS_I32:
+            rows = offs_n[:, None]
+        else:
+            rows = offs_n.to(tl.int64)[:, None]
+        k_ptr = k_base + rows * stride_ks + offs_d[None, :]
+        v_ptr = v_base + rows * stride_vs + offs_d[None, :]
+        if WHOLE_ROWS:
+            k = tl.load(k_ptr)
+            v = tl.load(v_ptr)
+        else:
+            mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr, mask=mask, other=0.0)
+            v = tl.load(v_ptr, mask=mask, other=0.0)
     else:
         mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=mask, other=0.0)

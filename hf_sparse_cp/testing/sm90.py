@@ -169,7 +169,8 @@ def _tiles_of(kwargs: dict) -> Tiles:
     return Tiles(kwargs.get("BLOCK_M", kwargs.get("BLOCK", 0)), kwargs.get("BLOCK_N", kwargs.get("BLOCK", 0)),
                  kwargs.get("BLOCK_C", 0), kwargs["num_warps"], kwargs["num_stages"],
                  kwargs.get("SEPARATE_COLUMNS", False), kwargs.get("KV_DESCRIPTORS", False), kwargs.get("STEPS", 1),
-                 kwargs.get("TILE_MAJOR", False), kwargs.get("META_RELOAD", False))
+                 kwargs.get("TILE_MAJOR", False), kwargs.get("META_RELOAD", False),
+                 any(kwargs.get(name, False) for name in ("LEAN", "ROWS_I32", "WHOLE_ROWS")))
 
 
 def build(name: str, tiles: Tiles | None = None, launch: Launch | None = None):

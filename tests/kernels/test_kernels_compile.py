@@ -224,3 +224,23 @@ def test_key_major_column_kernel_builds_on_full_wgmma_without_spilling(head_dim,
     assert use.wgmma > 0 and use.mma_sync == 0, use
     assert use.narrowest_wgmma_n() == configs.narrowest_wgmma_n("columns", tiles, head_dim) >= configs.MIN_WGMMA_N
     assert use.shared_bytes <= sm90.H100_SHARED_BYTES and use.stack_bytes == 0, use
+
+
+@pytest.mark.parametrize("variant", ["forward", "dq_column_grads", "dkdv"])
+def test_lean_index_builds_drop_per_step_index_arithmetic(variant):
+    """`Tiles.lean_index` as the quick call times it (`configs.SHORTLIST`: the forward and dk/dv in the tile-major
+    order, dq in the launched one) builds as the same tiles without it: the same shared memory, wgmma and pipelining,
+    stack within MAX_STACK_BYTES, and fewer of the PTX instructions its addressing removes: 64-bit multiplies of row
+    offsets (the forward's and dq's key blocks) and divisions (dk/dv's CSR entries). head_dim 128, 128K tokens."""
+    lean = next(t for t in configs.SHORTLIST[sm90.TUNED_KERNEL[variant]] if t.lean_index)
+    tiles, build = sm90.build(variant, lean)
+    _, base = sm90.build(variant, dataclasses.replace(lean, lean_index=False))
+    use, base_use = sm90.usage(build), sm90.usage(base)
+    assert tiles.lean_index and use.stack_bytes <= MAX_STACK_BYTES, use
+    assert dataclasses.replace(use, registers=0, stack_bytes=0) == dataclasses.replace(base_use, registers=0,
+                                                                                       stack_bytes=0), use
+    if variant == "dkdv":
+        count = lambda ptx: len(re.findall(r"\b(?:div|rem)\.[su]32\b", ptx))
+    else:
+        count = lambda ptx: ptx.count("mul.wide")
+    assert count(build.asm["ptx"]) < count(base.asm["ptx"]), variant

@@ -149,6 +149,19 @@ def test_the_tile_major_grid_matches_the_reference(kv_descriptors):
         _check(q, k, v, dout, dlse, layout, meta.to(DEVICE))
 
 
+def test_lean_index_matches_the_reference():
+    """The quick call's `Tiles.lean_index` candidates (`configs.SHORTLIST`: int32 row offsets, unmasked loads of whole
+    blocks, packed dk/dv CSR entries) for all three kernels at once: head_dim 128, bf16, per-head columns, packed
+    documents."""
+    s = SIZES["long"]
+    q, k, v, dout, dlse = _inputs(1, 16, 2, s, 128, torch.bfloat16, seed=14)
+    meta = _docs(s, seed=15)
+    layout = _layout("vertical_slash", 1, 16, s, seed=16, meta=meta)
+    lean = {kernel: next(t for t in configs.SHORTLIST[kernel] if t.lean_index) for kernel in configs.KERNELS}
+    with configs.tiles_override(**lean):
+        _check(q, k, v, dout, dlse, layout, meta.to(DEVICE))
+
+
 def test_sliding_window_batch_of_two_d64_bf16():
     s = SIZES["odd"]
     q, k, v, dout, dlse = _inputs(2, 4, 2, s, 64, torch.bfloat16, seed=2)

@@ -8,6 +8,7 @@ queries that see nothing, non-finite inputs, merging into an existing result, an
 fp32 and fp16 only: the interpreter cannot multiply bf16 (bf16 runs in tests marked gpu).
 """
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -1152,3 +1153,73 @@ def test_the_compiled_paths_custom_op_on_the_kernels_passes_opcheck(interp, memo
     assert rel_rms(out.transpose(1, 2), want_out) < TOLERANCE[torch.float32]
     seen = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(lse), seen) and rel_rms(lse, want_lse, seen) < TOLERANCE[torch.float32]
+
+
+# ---- FlexAttention's row addressing (Tiles.lean_index) ------------------------------------------------------
+
+def _kernels_with_and_without_lean_index(*args, tiles, int32_max=None):
+    """`_kernel_fwd_bwd` with `tiles` (with `int32_max` as the launchers' int32 bound on row offsets, so that a
+    small test takes the int64 rows of a lean launch), then its out, lse, dq, dk, dv with the same tiles without
+    `lean_index`; returns the first results, the lean flags each launch of the first run saw, and the second
+    run's results."""
+    seen, kernels = [], (block_sparse_fwd._forward_kernel, block_sparse_bwd._dq_kernel, block_sparse_bwd._dkdv_kernel)
+    names = ("LEAN", "REP", "ROWS_I32", "WHOLE_ROWS")
+    for kernel in kernels:
+        kernel.run = lambda *a, _run=kernel.run, **kw: seen.append({n: kw[n] for n in names if n in kw}) or _run(*a,
+                                                                                                                **kw)
+    saved = block_sparse_fwd.INT32_MAX
+    block_sparse_fwd.INT32_MAX = saved if int32_max is None else int32_max
+    try:
+        result = _kernel_fwd_bwd(*args, tiles=tiles)
+    finally:
+        block_sparse_fwd.INT32_MAX = saved
+        for kernel in kernels:
+            del kernel.run
+    plain = {k: replace(t, lean_index=False) for k, t in tiles.items()}
+    return (*result, seen, _kernel_fwd_bwd(*args, tiles=plain)[:5])
+
+
+@pytest.mark.parametrize("s,d,shared,int32_max,flags", [
+    (128, 16, False, None, {"REP": 1, "ROWS_I32": True, "WHOLE_ROWS": True}),
+    (100, 48, True, None, {"REP": 2, "ROWS_I32": True, "WHOLE_ROWS": False}),
+    (128, 16, True, 0, {"REP": 2, "ROWS_I32": False, "WHOLE_ROWS": True}),
+], ids=["whole-rows-per-head", "masked-rows-shared", "int64-rows-shared"])
+def test_lean_index_computes_the_same_function(interp, s, d, shared, int32_max, flags):
+    """With `Tiles.lean_index` the forward's and dq's key blocks and each dk/dv step's query rows are addressed from
+    their head's base (int32 row offsets where they fit, else int64), loaded without masks where the rows fill
+    whole layout blocks and the head its lanes, and dk/dv decode packed CSR entries: forward and backward equal the
+    reference and are bitwise those of the launchers' addressing. GQA 2, packed documents with padding (partial
+    blocks), columns; per-head and shared layouts (an entry for both heads of the group)."""
+    q, k, v, dout, dlse = _inputs(1, 4, 2, s, s, d, torch.float32, seed=121 + s)
+    meta = _random_docs(1, s, seed=122, pad=3)
+    layout = random_vertical_slash_layout(1, 1 if shared else 4, s, 32, num_diagonals=2, num_verticals=8, meta=meta,
+                                          generator=torch.Generator().manual_seed(123))
+    lean = configs.Tiles(16, 16, 16, 1, 1, lean_index=True)
+    tiles = {"forward": lean, "dq": lean, "dkdv": configs.Tiles(16, 32, 16, 1, 1, lean_index=True)}
+    res = _check_against_reference(interp, q, k, v, dout, dlse, layout, meta, meta, tiles=tiles,
+                                   worker=functools.partial(_kernels_with_and_without_lean_index, int32_max=int32_max))
+    rows = {"ROWS_I32": flags["ROWS_I32"], "WHOLE_ROWS": flags["WHOLE_ROWS"]}
+    assert res[5] == [rows, rows, {"LEAN": True, "REP": flags["REP"], **rows}], res[5]
+    for name, got, plain in zip(("out", "lse", "dq", "dk", "dv"), res[:5], res[6]):
+        assert torch.equal(got, plain), name
+
+
+def test_packed_key_block_csr_entries_carry_the_head_in_their_high_bits():
+    """`key_block_csr(packed=True)` (lean dk/dv launches) lists the same entries in the same order, each as
+    head_in_group << PACKED_BLOCK_BITS | query_block instead of head_in_group * NQB + query_block, with the same row
+    pointers; `packed_entries_fit` bounds the heads per group and the query blocks."""
+    from hf_sparse_cp.kernels.indexing import PACKED_BLOCK_BITS, packed_entries_fit
+
+    s, bs = 160, 16
+    meta = TokenMeta.contiguous(1, s)
+    layout = random_layout(1, 8, s, s, bs, 0.5, 0.0, generator=torch.Generator().manual_seed(131))
+    summary = block_summary(meta.index, meta.segment, bs)
+    blk, _, partial = split_full_blocks(layout.block_idx, layout.block_cnt, summary, summary, None)
+    nqb = layout.num_q_blocks
+    row_ptr, entries = key_block_csr(blk, layout.block_cnt, partial, 8, 2, nqb)
+    packed_ptr, packed = key_block_csr(blk, layout.block_cnt, partial, 8, 2, nqb, packed=True)
+    assert torch.equal(row_ptr, packed_ptr) and packed.dtype == torch.int32 and entries.numel() > 0
+    assert torch.equal(packed, (entries // nqb) << PACKED_BLOCK_BITS | entries % nqb)
+    assert int(packed.max()) >> PACKED_BLOCK_BITS == 3  # 4 query heads per key head
+    assert packed_entries_fit(128, 1 << PACKED_BLOCK_BITS) and not packed_entries_fit(129, 8)
+    assert not packed_entries_fit(8, (1 << PACKED_BLOCK_BITS) + 1)

@@ -104,6 +104,7 @@ def test_candidates_fit_the_block_and_include_the_current_tiles(tune, kernel, bl
     assert {t.tile_major for t in cands} == {False, True}  # either grid order
     # masked column steps with and without their own read of the slots where the kernel has columns (forward, dq)
     assert {t.column_meta_reload for t in cands} == ({False} if kernel == "dkdv" else {False, True})
+    assert {t.lean_index for t in cands} == {False, True}  # either row addressing
     both = configs.tile_candidates(kernel, block_size, head_dim, warps=(4, 8))
     assert set(cands) <= set(both) and {t.num_warps for t in both} == {4, 8}
 
