@@ -77,7 +77,8 @@ def check_launched(cp_sizes: Iterable[int], env: Mapping[str, str] = os.environ)
     for cp_size in cp_sizes:
         if cp_size > 1 and "WORLD_SIZE" not in env:
             raise ValueError(f"cp_size={cp_size} splits each sequence over {cp_size} processes, and this one runs "
-                             f"alone: {_launch_hint(env)}")
+                             f"alone: {_launch_hint(env)} N: a multiple of {cp_size}; or train with cp_size 1 in "
+                             "one process.")
         check_sizes(world, cp_size)
 
 

@@ -124,7 +124,8 @@ def build_schedule(
         first stage does not start at 0 or the starts do not increase within max_steps.
     """
     if max_steps <= 0:
-        raise ValueError("a cp_schedule counts its stages in optimizer steps: set --max_steps.")
+        raise ValueError("a cp_schedule needs the run's length in optimizer steps, whether its stages start at steps "
+                         "or epochs (an epoch start is resolved into a step within it): set --max_steps.")
     configs = []
     for i, stage in enumerate(stages):
         with stage.refusals(i):

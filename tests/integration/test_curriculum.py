@@ -144,9 +144,10 @@ def test_a_stages_refusal_spells_the_fix_as_the_stage_writes_fields(stage, refus
     assert not re.search(r"\w='|--(?:cp|sparse)_\w+(?:\)| (?!stage))", message), message  # (no repr, no flag)
 
 
-def test_a_schedule_needs_max_steps():
-    with pytest.raises(ValueError, match="set --max_steps"):
-        _build("0:128:1", max_steps=-1)
+@pytest.mark.parametrize("schedule", ["0:128:1", "0:256:1,1ep:128:1"], ids=["steps", "epochs"])
+def test_a_schedule_needs_max_steps_and_says_so_for_epoch_starts_too(schedule):
+    with pytest.raises(ValueError, match="whether its stages start at steps or epochs .* set --max_steps"):
+        _build(schedule, max_steps=-1)
 
 
 def test_a_stages_layout_refused_for_the_model_spells_the_fix_as_the_stage_writes_fields():
