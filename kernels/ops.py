@@ -41,8 +41,10 @@ def kernels_are_interpreted() -> bool:
 def _launchers(device: torch.device):
     if device.type != "cuda" and not kernels_are_interpreted():
         raise ValueError(
-            f"the Triton kernels run on CUDA tensors (got {device.type}); on CPU use implementation='reference', or "
-            "run the kernels in Triton's interpreter (hf_sparse_cp.testing.interpreter.interpreter_pool)."
+            f"the Triton kernels run on CUDA tensors (got {device.type}): off CUDA use the reference engine "
+            "(implementation='reference' of block_sparse_attention; a model's SparseAttentionConfig("
+            "attention_engine='auto'), which takes it off CUDA), or run the kernels in Triton's interpreter "
+            "(hf_sparse_cp.testing.interpreter.interpreter_pool)."
         )
     return block_sparse_fwd, block_sparse_bwd
 

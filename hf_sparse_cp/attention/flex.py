@@ -344,7 +344,9 @@ def flex_block_sparse_attention(call: AttentionCall) -> tuple[torch.Tensor, torc
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     if needs_grad and not q.is_cuda:
         raise ValueError("the flex engine computes gradients on CUDA only (torch has no FlexAttention backward on "
-                         f"{q.device.type}); use implementation='reference' there, or run under torch.no_grad().")
+                         f"{q.device.type}): there use the reference engine (implementation='reference' of "
+                         "block_sparse_attention; a model's SparseAttentionConfig(attention_engine='auto'), which "
+                         "takes it off CUDA), or run under torch.no_grad().")
     calls = flex_calls(call.layout, call.q_meta, call.k_meta, q.shape[1], k.shape[1],
                        sliding_window=call.sliding_window, for_backward=needs_grad)
     inputs = (q, k, v) if needs_grad else (q.detach(), k.detach(), v.detach())  # Flex on CPU refuses requires_grad

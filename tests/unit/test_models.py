@@ -80,6 +80,19 @@ def test_cpu_tensors_take_the_reference_never_the_kernels(monkeypatch):
     assert sorted(pop_kept_fractions(ours)) == [0, 1]  # the sparse path did run
 
 
+@pytest.mark.parametrize("engine", ["flex", "triton"])
+def test_an_engine_set_on_a_model_that_cannot_train_on_cpu_names_the_models_setting(engine):
+    """A CPU model configured with an engine that does not train there (Flex has no CPU backward; the kernels run on
+    CUDA) is refused at its training call naming the model's setting (`attention_engine`), not only the public op's
+    `implementation` argument, which the model's user never typed."""
+    if engine == "triton" and not is_triton_available():
+        pytest.skip("needs Triton: without it the engine is refused as missing")
+    _, ours = _pair("llama", config=SparseAttentionConfig(attention_engine=engine, block_size=16, min_seq_len=0,
+                                                          dense_first_layers=0))
+    with pytest.raises(ValueError, match=r"reference engine.*SparseAttentionConfig\(attention_engine='auto'\)"):
+        _loss_and_grads(ours, input_ids=torch.randint(3, 259, (1, 64)))
+
+
 def test_short_sequences_stay_dense_under_the_sparse_pattern():
     ref, ours = _pair("qwen2", config=SparseAttentionConfig(block_size=32, min_seq_len=S + 1, slash_topk=4))
     ids = torch.randint(3, 259, (1, S))
