@@ -523,8 +523,10 @@ def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attent
             f"sparse_cp received a {attention_mask.dim()}D attention mask (model type '{model_type}'); it takes the 2D "
             "padding mask that its registered mask function produces. A model that builds its own mask (LayoutLM's, "
             "MarkupLM's) cannot run on it: load it with attn_implementation='sdpa' or 'eager' (--sparse_attention "
-            "false). Otherwise pass the 2D padding mask rather than a custom 4D one, and call hf_sparse_cp.patch() "
-            "before building the model."
+            "false). Otherwise pass the 2D padding mask rather than a custom 4D one (documents packed in a row: "
+            "position_ids restarting at 0 at each document's first token, as DataCollatorWithFlattening gives them, "
+            "not a block-diagonal mask; a 2D mask alone would let them attend to each other), and call "
+            "hf_sparse_cp.patch() before building the model."
         )
 
 

@@ -567,6 +567,24 @@ def test_unsupported_features_are_refused_with_the_fix():
         fn(layer, x, kv, kv, None, is_causal=False)
 
 
+def test_a_block_diagonal_4d_mask_of_packed_documents_is_refused_naming_position_ids_which_pack_them():
+    """Packing by a custom 4D block-diagonal mask (what SDPA takes) is refused naming the form sparse_cp packs by:
+    the refusal's 'pass the 2D padding mask' alone, followed, let the documents attend to each other. Packed by
+    their restarting position_ids instead, the row computes what SDPA computes under the 4D mask."""
+    ref, ours = _pair("llama")
+    ids = torch.randint(3, 259, (1, 96), generator=torch.Generator().manual_seed(3))
+    document = torch.arange(96) >= 40
+    mask = torch.tril(torch.ones(96, 96, dtype=torch.bool)) & (document[:, None] == document[None, :])
+    with pytest.raises(ValueError, match=r"4D attention mask.*position_ids restarting at 0 at each document's first "
+                                         r"token, as DataCollatorWithFlattening gives them"):
+        ours(input_ids=ids, attention_mask=mask[None, None])
+    positions = torch.cat([torch.arange(40), torch.arange(56)])[None]
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask[None, None], position_ids=positions).logits
+        got = ours(input_ids=ids, position_ids=positions).logits
+    assert rel_rms(got, want) <= TOLERANCE[torch.float32]
+
+
 def test_under_autocast_mixed_input_dtypes_compute_like_sdpa():
     """Under bf16 autocast RoPE leaves q and k in fp32 and v in bf16 (what the Trainer's --bf16 gives): the
     backend takes them in the autocast dtype, as SDPA does, and trains."""
