@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -43,29 +43,11 @@ def recorded_output_dirs(folder: str | os.PathLike) -> list[str]:
         return []
 
 
-def last_checkpoint(output_dirs: Iterable[str]) -> Path | None:
-    """The newest complete checkpoint in `output_dirs` (one the run was saving when stopped is marked incomplete;
-    one without the plugin's marker counts as complete); None where there is none."""
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # (only once a run stopped)
-
-    from hf_sparse_cp.trainer.checkpoints import read_marker
-
-    def complete(folder: Path) -> bool:
-        try:
-            marker = read_marker(folder)
-        except ValueError:  # (a damaged marker)
-            return False
-        return marker is None or bool(marker.get("complete"))
-
-    found = [path for output_dir in output_dirs for path in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
-             if path.name.rsplit("-", 1)[1].isdigit() and path.is_dir()]
-    newest_first = sorted(found, key=lambda path: int(path.name.rsplit("-", 1)[1]), reverse=True)
-    return next((path for path in newest_first if complete(path)), None)
-
-
 def interrupted_line(ranks: int, output_dirs: Sequence[str]) -> str:
     """The line a run stopped by Ctrl-C ends with: how many processes stopped and where its last checkpoint is."""
-    checkpoint = last_checkpoint(output_dirs)
+    from hf_sparse_cp.trainer.checkpoints import newest_complete_checkpoint  # (only once a run stopped)
+
+    checkpoint = newest_complete_checkpoint(output_dirs)[0]
     where = (f"the last checkpoint is {checkpoint} (--resume_from_checkpoint {checkpoint} continues from it)"
              if checkpoint is not None else "no checkpoint was saved")
     return f"hf-sparse-cp: interrupted by the user; {ranks} rank{'s' if ranks != 1 else ''} stopped; {where}.\n"

@@ -9,9 +9,10 @@ takes the newest folder: a run that dies while saving leaves a folder that looks
   degree, SMET's density, block size and mode), once every rank has finished saving; with it the longest
   row trained so far, which a resume carries on (the model card states it).
 
-`train(resume_from_checkpoint=...)` then checks the checkpoint before anything is loaded: a marker
-still in progress, a missing or resized file, a checkpoint of `--save_only_model` (no optimizer, schedule or
-random state to continue from), or settings that differ from this run's are an error that names the cause. A
+`train(resume_from_checkpoint=True)` takes the newest complete checkpoint (the Trainer's choice, the newest
+folder, may be one still in progress), and `train(resume_from_checkpoint=...)` checks the checkpoint before anything
+is loaded: a marker still in progress, a missing or resized file, a checkpoint of `--save_only_model` (no optimizer,
+schedule or random state to continue from), or settings that differ from this run's are an error that names the cause. A
 checkpoint without a marker (written without the plugin) is loaded as the Trainer would, with a warning that
 nothing could be checked.
 
@@ -30,6 +31,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +165,46 @@ def read_marker(folder: str | Path) -> dict[str, Any] | None:
     return content
 
 
+def newest_complete_checkpoint(output_dirs: Iterable[str | Path]) -> tuple[Path | None, list[Path]]:
+    """(The newest checkpoint-N folder of `output_dirs` that is complete, or None; the newer ones it passes over,
+    newest first.) Complete: marked complete by the plugin, or without its marker (saved without the plugin, nothing
+    to check); passed over: marked in progress (the run ended while saving it) or with a marker that does not read."""
+
+    def complete(folder: Path) -> bool:
+        try:
+            marker = read_marker(folder)
+        except ValueError:
+            return False
+        return marker is None or bool(marker.get("complete"))
+
+    found = [path for output_dir in output_dirs for path in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+             if path.name.rsplit("-", 1)[1].isdigit() and path.is_dir()]
+    newest_first = sorted(found, key=lambda path: int(path.name.rsplit("-", 1)[1]), reverse=True)
+    for i, path in enumerate(newest_first):
+        if complete(path):
+            return path, newest_first[:i]
+    return None, newest_first
+
+
+def resumed_folder(output_dir: str) -> str | None:
+    """The checkpoint `resume_from_checkpoint=True` resumes from: the newest complete one of `output_dir` (None where
+    it holds no checkpoint: the Trainer's own error follows). The Trainer takes the newest folder, which a run
+    that ended while saving leaves incomplete: a requeued job passing True would stop there at every start, so the
+    newer incomplete ones are passed over with a warning (left on disk: a save of their step writes them anew);
+    refused when no complete one is left."""
+    folder, passed = newest_complete_checkpoint([output_dir]) if os.path.isdir(output_dir) else (None, [])
+    names = ", ".join(path.name for path in passed)
+    if passed and folder is None:
+        raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {output_dir!r}: {names} "
+                         f"{'is' if len(passed) == 1 else 'are'} incomplete (the run ended while saving). Delete "
+                         f"{'it' if len(passed) == 1 else 'them'} to train from the start, or resume from another "
+                         "run's checkpoint (--resume_from_checkpoint PATH).")
+    if passed:
+        logger.warning("resume_from_checkpoint=True: resuming from %s, the newest complete checkpoint; passed over %s "
+                       "(incomplete: the run ended while saving).", folder, names)
+    return None if folder is None else str(folder)
+
+
 def resume_step_metrics(trainer: Trainer, marker: dict[str, Any] | None) -> None:
     """Carry what a checkpoint's `marker` (`read_marker`) says of the rows trained before it (`longest_trained`) into
     `trainer`'s step metrics, which the model card reads: they count only the rows this process trains."""
@@ -269,8 +311,7 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], marker: dict[
         return sharded
     if not marker.get("complete"):
         raise ValueError(f"Checkpoint {str(folder)!r} is incomplete: the run ended while it was being saved. Resume "
-                         "from an earlier checkpoint (or delete this one to let resume_from_checkpoint=True pick the "
-                         "one before it).")
+                         "from an earlier checkpoint (resume_from_checkpoint=True takes the newest complete one).")
     for name, size in marker["files"].items():
         path = folder / name
         if not path.is_file() or path.stat().st_size != size:
@@ -407,10 +448,11 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
     @functools.wraps(train)
     def checked_train(resume_from_checkpoint=None, *args, **kwargs):
         folder = resume_from_checkpoint
-        if folder is True:  # the Trainer's own choice, checked; without an output folder it raises itself
-            folder = get_last_checkpoint(trainer.args.output_dir) if os.path.isdir(trainer.args.output_dir) else None
         try:
             with flag_errors():  # (a checkpoint that does not fit the run's flags: refused as a bad flag)
+                if folder is True:  # (None: the Trainer's own error follows)
+                    folder = resumed_folder(trainer.args.output_dir)
+                    resume_from_checkpoint = folder or True
                 marker = read_marker(folder) if folder else None  # (read once: checked, then resumed from)
                 reshard = bool(folder) and check_checkpoint(folder, run_settings(trainer, parallel, cp_schedule),
                                                             marker, reshardable=runs_fsdp2(trainer))
@@ -430,7 +472,7 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
             if why is None:
                 raise
             raise CheckpointSaveError(f"Saving checkpoint {str(saving)!r} failed: {why} Nothing before it is lost: "
-                                      "the checkpoint is marked incomplete and a resume refuses it; delete it, then "
-                                      "resume from the one before it.") from e
+                                      "the checkpoint is marked incomplete, which a resume refuses and "
+                                      "resume_from_checkpoint=True passes over for the one before it.") from e
 
     patches.set_attr(trainer, "train", checked_train)

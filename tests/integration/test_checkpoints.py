@@ -159,13 +159,29 @@ def test_a_checkpoint_of_another_model_is_refused_naming_a_weight_and_its_shapes
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # nothing was loaded
 
 
-def test_the_newest_checkpoint_is_checked_when_resume_is_true(saved, tmp_path):
-    out, _ = saved
+def test_resume_true_passes_over_an_incomplete_newest_checkpoint_for_the_newest_complete_one(saved, tmp_path, caplog):
+    """A run that ended while saving leaves its newest folder in progress: resume_from_checkpoint=True (a requeued
+    job's flag) took it, as the Trainer's choice, and the check refused it at every restart. It now resumes from the
+    one before it, exactly, with a warning naming what it passed over; with none complete, an error naming them."""
+    out, losses = saved
     subprocess.run(["cp", "-r", str(out), str(tmp_path / "run")], check=True)
     (tmp_path / "run" / "checkpoint-4" / MARKER).write_text(json.dumps({"complete": False, "step": 4}))
     trainer = _trainer(tmp_path / "run")
-    with pytest.raises(ValueError, match="checkpoint-4' is incomplete"):
+    with caplog.at_level("WARNING", logger="hf_sparse_cp.trainer.checkpoints"):
         trainer.train(resume_from_checkpoint=True)
+    assert re.search("resuming from .*checkpoint-2, the newest complete checkpoint; passed over checkpoint-4 "
+                     "\\(incomplete", caplog.text)
+    assert _losses(trainer) == losses  # (the log of steps 1-2 comes with the checkpoint) as the uninterrupted run
+    assert json.loads((tmp_path / "run" / "checkpoint-4" / MARKER).read_text())["complete"]  # saved anew
+
+    (tmp_path / "run" / "checkpoint-2" / MARKER).write_text("{not json")
+    (tmp_path / "run" / "checkpoint-4" / MARKER).write_text(json.dumps({"complete": False, "step": 4}))
+    again = _trainer(tmp_path / "run")
+    before = [p.detach().clone() for p in again.model.parameters()]
+    with pytest.raises(ValueError, match="no complete checkpoint in .*run': checkpoint-4, checkpoint-2 are incomplete "
+                                         ".*Delete them to train from the start"):
+        again.train(resume_from_checkpoint=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, again.model.parameters()))  # nothing was loaded
 
 
 def test_detach_removes_the_protection(tmp_path):
