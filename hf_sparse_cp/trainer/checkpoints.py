@@ -273,8 +273,9 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], marker: dict[
     saved with another data-parallel or context-parallel degree (under a curriculum: another world size)
     as long as the global batch (every stage's) is the same: the CP degree decides how a sequence's
     attention is split over processes, not what it computes, so the model, optimizer and data order
-    continue alike. A run without FSDP2 is refused such a checkpoint (its optimizer state is there only), and
-    an FSDP2 run one saved without FSDP (nothing there for FSDP to load)."""
+    continue alike. So may a checkpoint saved without FSDP (DDP's or one process's, whose weights and optimizer
+    state are whole) resumed without it. A run without FSDP2 is refused a sharded checkpoint (its optimizer state
+    is there only), and an FSDP2 run one saved without FSDP (nothing there for FSDP to load)."""
     folder = Path(folder)
     if not folder.is_dir():
         near = get_last_checkpoint(str(folder.parent)) if folder.parent.is_dir() else None
@@ -336,15 +337,19 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], marker: dict[
                          "schedule and data position of one cannot continue the other. Resume with the flags it was "
                          f"saved with, or start a new run from its weights (--model_name_or_path {folder}: the "
                          "optimizer and the schedule start over).")
+    # A state that does not depend on the processes (DDP's or one process's: the weights and optimizer whole in the
+    # main process's files, every rank loading the same) continues at another degree as the sharded one does.
+    whole = not sharded and _whole_state(folder)
     for key, value in settings.items():
-        if key in _BATCHES or saved.get(key) == value or (key in _RESHARDABLE and sharded):
+        if key in _BATCHES or saved.get(key) == value or (key in _RESHARDABLE and (sharded or whole)):
             continue
         hint = ""
         if key in _RESHARDABLE:
-            hint = (f" Another {_RESHARDABLE[key]} resumes only from a checkpoint saved with FSDP2 (--fsdp "
-                    "with --fsdp_config '{\"fsdp_version\": 2}', which saves its sharded state, on 2 processes or "
-                    f"more) into a run with FSDP2; or start a new run from its weights (--model_name_or_path "
-                    f"{folder}: the optimizer and the schedule start over).")
+            hint = (f" Another {_RESHARDABLE[key]} resumes from a checkpoint whose state is whole (saved without FSDP) "
+                    "or saved with FSDP2 (--fsdp with --fsdp_config '{\"fsdp_version\": 2}', which saves its sharded "
+                    "state) into a run with FSDP2; this one holds state laid out for its processes. Or start a new "
+                    f"run from its weights (--model_name_or_path {folder}: the optimizer and the schedule start "
+                    "over).")
         elif key == "smet":
             hint = _smet_flags(saved.get(key))
         raise ValueError(f"Checkpoint {str(folder)!r} was saved with {key}={saved.get(key)!r}, but this run has "
@@ -357,6 +362,13 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], marker: dict[
         if batch is not None and saved.get(key, batch) != batch:
             raise ValueError(_other_global_batch(folder, saved[key], settings))
     return sharded
+
+
+def _whole_state(folder: Path) -> bool:
+    """Whether the checkpoint `folder` holds its weights and optimizer whole, as the Trainer saves them without FSDP
+    or DeepSpeed (whose shards, accelerate's FSDP files or `global_step*` folders, are laid out for the processes)."""
+    names = [p.name for p in folder.iterdir()]
+    return "optimizer.pt" in names and not any(n.startswith((FSDP_MODEL_NAME, "global_step")) for n in names)
 
 
 def _other_global_batch(folder: Path, saved: int, settings: dict[str, Any]) -> str:
