@@ -356,6 +356,8 @@ def add_cp_mode_arguments(parser: argparse.ArgumentParser) -> None:
 def cp_layout(args: argparse.Namespace, cp_size: int) -> tuple[CPMode, int]:
     """The mode a CP group of `cp_size` GPUs runs under the `--cp_mode` flags and its head-group size (1: no head
     groups), as training would resolve them (`CPMode.resolve`); ValueError naming the fix where training would
-    refuse them (a hybrid without --cp_ulysses_size, a head-group size that does not divide the CP size)."""
-    config = ContextParallelConfig(cp_size=cp_size, cp_mode=args.cp_mode, cp_ulysses_size=args.cp_ulysses_size)
+    refuse them (a hybrid without --cp_ulysses_size, a head-group size that does not divide the CP size, a
+    `--cp_sharding` where the command takes one that the mode does not: document under the hybrid)."""
+    config = ContextParallelConfig(cp_size=cp_size, cp_mode=args.cp_mode, cp_ulysses_size=args.cp_ulysses_size,
+                                   cp_sharding=getattr(args, "cp_sharding", ContextParallelConfig.cp_sharding))
     return config.mode.resolve(config, cp_size)

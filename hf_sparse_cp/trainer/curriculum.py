@@ -52,6 +52,7 @@ from ..integration.registration import store_pattern
 from ..reporting.model_card import CardStage
 from ..smet import SMETConfig
 from .arguments import flag_errors
+from .callbacks import add_to_log
 from .context_parallel import (
     check_loss,
     check_training_arguments,
@@ -355,6 +356,13 @@ class Curriculum:
     def parallel(self) -> ParallelDims:
         return self.dims[self.stage()]
 
+    def samples(self, first: int, last: int) -> int:
+        """The samples optimizer steps `first` to `last - 1` take: per-device batch x accumulation x their stage's DP
+        degree each."""
+        args = self.trainer.args
+        per_rank = args.train_batch_size * args.gradient_accumulation_steps
+        return sum(per_rank * self.dims[self.schedule.index_at(step)].dp_size for step in range(first, last))
+
 
 def card_stages(trainer: Trainer) -> tuple[str | None, list[CardStage]]:
     """The `--cp_schedule` text and stages (`CardStage`) of `trainer`'s curriculum, as its model card states them;
@@ -379,6 +387,23 @@ class _FinishCurriculum(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.curriculum.finish()
+
+
+class _StageSamplesPerSecond(TrainerCallback):
+    """Makes the end of training's `train_samples_per_second` count the samples its steps took: the Trainer counts
+    every step at the first stage's total batch size, where a step takes its own stage's (its DP degree's). First
+    among the callbacks, so that the reporting ones log the count."""
+
+    def __init__(self, curriculum: Curriculum) -> None:
+        self.curriculum, self.first_step = curriculum, 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.first_step = state.global_step  # (a resumed run's: its checkpoint's step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "train_samples_per_second" in logs and logs.get("train_runtime"):
+            samples = self.curriculum.samples(self.first_step, state.global_step)
+            add_to_log(state, logs, {"train_samples_per_second": round(samples / logs["train_runtime"], 3)})
 
 
 def schedule_for(trainer: Trainer, stages: Sequence[Stage]) -> Schedule:
@@ -485,6 +510,7 @@ def enable_curriculum(
     patches.set_attr(trainer, "get_train_dataloader", get_train_dataloader)
     callbacks = trainer.callback_handler.callbacks
     patches.insert(trainer.callback_handler, "callbacks", len(callbacks), _FinishCurriculum(curriculum))
+    patches.insert(trainer.callback_handler, "callbacks", 0, _StageSamplesPerSecond(curriculum))
     logger.info("cp_schedule: %s (stages from steps %s).", schedule.text, list(schedule.starts))
     return curriculum
 

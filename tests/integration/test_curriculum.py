@@ -691,6 +691,7 @@ def _switch_and_one_process(rank: int, world: int, out: str) -> dict:
                             callbacks=[Snapshot()])
     trainer.train()
     logged = [(log["loss"], log[LOG_KEY]) for log in trainer.state.log_history if "loss" in log]
+    speed = next(log for log in trainer.state.log_history if "train_samples_per_second" in log)
     trainer.create_model_card()
     card = open(os.path.join(out, "README.md")).read() if rank == 0 else None
 
@@ -707,7 +708,7 @@ def _switch_and_one_process(rank: int, world: int, out: str) -> dict:
     batches = [(0, 2, 256), (2, 2, 256), (4, 1, 512)]
     return {"logged": logged,
             "one_process": [one_process(w, *batch) for w, batch in zip(entering, batches)],
-            "batch_2": one_process(entering[2], 4, 2, 512), "card": card}
+            "batch_2": one_process(entering[2], 4, 2, 512), "card": card, "speed": speed}
 
 
 @pytest.fixture(scope="module")
@@ -733,6 +734,15 @@ def test_each_step_through_a_cp_switch_is_one_process_on_its_global_batch(switch
         assert kept < 1.0  # (step 2 runs sparse: its kept fraction tells the blocks selected)
         # one process with batch 2 trains samples 4 and 5 at step 2: another batch, another loss and kept fraction
         assert abs(loss - other_loss) > 1e-5 * other_loss and abs(kept - other_kept) > 1e-3
+
+
+def test_the_samples_per_second_of_a_cp_switch_count_the_samples_its_steps_took(switched):
+    """`--cp_schedule 0:256:1,2:512:2` on 2 processes, 3 steps, takes 2 + 2 + 1 samples; the Trainer's end-of-training
+    train_samples_per_second counted max_steps x the first stage's total batch size, 6 samples."""
+    for r in switched:
+        speed = r["speed"]
+        samples = speed["train_samples_per_second"] * speed["train_runtime"]
+        assert samples == pytest.approx(5, rel=1e-3), speed
 
 
 def test_the_model_card_of_a_cp_switch_states_every_stage(switched):

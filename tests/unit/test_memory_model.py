@@ -714,6 +714,14 @@ def test_the_memory_command_answers_for_the_cp_mode_asked(capsys):
     with pytest.raises(SystemExit):
         cli_main([*argv, "--cp_mode", "hybrid", "--cp_ulysses_size", "3"])
     assert "cp_ulysses_size=3 does not divide cp_size=4" in capsys.readouterr().err
+    # a sharding training refuses with the mode (document under the hybrid; any but the default under ulysses, which has
+    # no ring) was answered for, the planner's token cap included
+    for mode, sharding, refused in ((["hybrid", "--cp_ulysses_size", "2"], "document", "is not available under"),
+                                    (["ulysses"], "document", "would be ignored under --cp_mode ulysses"),
+                                    (["ulysses"], "zigzag", "would be ignored under --cp_mode ulysses")):
+        with pytest.raises(SystemExit):
+            cli_main([*argv, "--cp_mode", *mode, "--cp_sharding", sharding])
+        assert f"error: --cp_sharding {sharding} {refused}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -730,6 +738,9 @@ def test_the_memory_command_answers_for_the_cp_mode_asked(capsys):
                                                               "--sparse-config trial (topk) bounds the layouts' width"),
     (["--cp", "8", "--cp_planner_max_token_ratio", "1.5"], "--cp_planner_max_token_ratio 1.5 is the document "
      "planner's token cap; with --cp_sharding striped it would be ignored: drop it, or add --cp_sharding document."),
+    (["--cp_sharding", "document"], "--cp_sharding document says how a CP group shares its sequences; with --cp 1 "
+                                    "(no context parallelism) it would be ignored: drop it, or give --cp N (N > 1)."),
+    (["--cp", "1", "--cp_mode", "ulysses"], "--cp_mode ulysses says how a CP group shares its sequences; with --cp 1"),
     (["--cp", "8", "--cp_sharding", "document", "--cp_planner_max_token_ratio", "0.5"],
      "--cp_planner_max_token_ratio 0.5 must be finite and >= 1"),
 ])
