@@ -104,6 +104,12 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
+def _phase(mark: float) -> dict:
+    """A measured phase that started at `mark` (`time.perf_counter`): the process's peak resident bytes since the
+    peak was last reset, its resident bytes now, and the phase's seconds."""
+    return {"peak": _status_kib("VmHWM") * 1024, "after": _status_kib("VmRSS") * 1024, "s": time.perf_counter() - mark}
+
+
 def run_one(spec: dict) -> dict:
     """Build the model of `spec`, run the warm-up and the measured step, return the measurements."""
     import torch
@@ -138,21 +144,18 @@ def run_one(spec: dict) -> dict:
             _reset_peak()
         loss = model(input_ids=ids, labels=ids).loss
         if phases is not None:
-            phases["forward"] = {"peak": _status_kib("VmHWM") * 1024, "after": _status_kib("VmRSS") * 1024,
-                                 "s": time.perf_counter() - mark}
+            phases["forward"] = _phase(mark)
             mark = time.perf_counter()
             _reset_peak()
         loss.backward()
         if phases is not None:
-            phases["backward"] = {"peak": _status_kib("VmHWM") * 1024, "after": _status_kib("VmRSS") * 1024,
-                                  "s": time.perf_counter() - mark}
+            phases["backward"] = _phase(mark)
             mark = time.perf_counter()
             _reset_peak()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if phases is not None:
-            phases["optimizer"] = {"peak": _status_kib("VmHWM") * 1024, "after": _status_kib("VmRSS") * 1024,
-                                   "s": time.perf_counter() - mark}
+            phases["optimizer"] = _phase(mark)
         return float(loss)
 
     after_build = _status_kib("VmRSS") * 1024

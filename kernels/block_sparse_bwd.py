@@ -31,7 +31,7 @@ With `Tiles.kv_descriptors` the dq kernel's key-block loop loads its K/V tiles t
 descriptors, as the forward's does. With `Tiles.lean_index` (a tuning candidate) the dq kernel's key blocks are
 addressed as the forward's are then (`block_sparse_fwd.lean_rows`), and each dk/dv step reads a packed CSR entry
 (`indexing.key_block_csr`): its head and query block by a shift and a mask, its rows from the head's base
-(`_lean_query_step`).
+(`tiles.load_query_rows`).
 
 Both kernels run a layout row's full key blocks (every pair visible) before its partial ones
 (`indexing.LayoutSplit`; in the transposed CSR, each key block's full entries first), and the dq
@@ -73,6 +73,7 @@ from .tiles import (
     load_block_step,
     load_column_step,
     load_meta,
+    load_query_rows,
     program_tile,
     query_segments,
     query_tile,
@@ -180,6 +181,8 @@ def _dq_kernel(
     b, h64, kvh, qb, lay, offs_m, m_ok, offs_d, d_ok = query_tile(
         pid_bh, tile, num_q_heads, group, layout_heads, num_q_blocks, q_len, BLOCK_M, LAYOUT_BLOCK, HEAD_DIM, BLOCK_D
     )
+    # `tiles.load_query_rows`, written out: called here, it reorders the fp32 builds' constants (same instructions,
+    # another schedule), and q_mask and rows serve the store of dq
     q_mask = m_ok[:, None] & d_ok[None, :]
     rows = offs_m.to(tl.int64)[:, None]
     q = tl.load(Q + b * stride_qb + h64 * stride_qh + rows * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
@@ -247,30 +250,6 @@ def _dq_kernel(
                 _add_column_grads(ColDK, ColDV, p, ds, q, do, col, offs_c, offs_d, kv_mask, b, kvh, num_kv_heads, k_len,
                                   pid_bh, tile - tile_offset, n_tiles, max_cols, HEAD_DIM, COLUMN_GRADS,
                                   PRECISION)
-
-
-@triton.jit
-def _lean_query_step(Q, DOut, Lse2, Delta, b, h, offs_m, m_ok, offs_d, d_ok, stride_qb, stride_qh, stride_qs, stride_db,
-                     stride_dh, stride_ds, num_q_heads, q_len, ROWS_I32: tl.constexpr, WHOLE_ROWS: tl.constexpr):
-    """A dk/dv step's query rows `offs_m` of head `h` (`Tiles.lean_index`): their Q and dO tiles, base-2 lse and delta,
-    addressed from the (batch row, head)'s int64 base with the rows offset in int32 where they fit (ROWS_I32), loaded
-    without masks where every row and lane lies inside the tensors (WHOLE_ROWS)."""
-    if ROWS_I32:
-        rows = offs_m[:, None]
-    else:
-        rows = offs_m.to(tl.int64)[:, None]
-    h64 = h.to(tl.int64)
-    q_ptr = Q + (b * stride_qb + h64 * stride_qh) + rows * stride_qs + offs_d[None, :]
-    do_ptr = DOut + (b * stride_db + h64 * stride_dh) + rows * stride_ds + offs_d[None, :]
-    head_row = (b * num_q_heads + h64) * q_len
-    lse_ptr = Lse2 + head_row + offs_m
-    delta_ptr = Delta + head_row + offs_m
-    if WHOLE_ROWS:
-        return tl.load(q_ptr), tl.load(do_ptr), tl.load(lse_ptr), tl.load(delta_ptr)
-    q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr, mask=q_mask, other=0.0)
-    do = tl.load(do_ptr, mask=q_mask, other=0.0)
-    return q, do, tl.load(lse_ptr, mask=m_ok, other=float("inf")), tl.load(delta_ptr, mask=m_ok, other=0.0)
 
 
 @triton.jit
@@ -344,22 +323,13 @@ def _dkdv_kernel(
         if LEAN:  # packed entries (`indexing.key_block_csr`): the head above BLOCK_BITS, the query block below
             h = kvh * group + (entry >> BLOCK_BITS) + r // SUB
             offs_m = (entry & ((1 << BLOCK_BITS) - 1)) * LAYOUT_BLOCK + (r % SUB) * BLOCK_M + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < q_len
-            q, do, lse2, delta = _lean_query_step(Q, DOut, Lse2, Delta, b, h, offs_m, m_ok, offs_d, d_ok, stride_qb,
-                                                  stride_qh, stride_qs, stride_db, stride_dh, stride_ds, num_q_heads,
-                                                  q_len, ROWS_I32, WHOLE_ROWS)
         else:
             h = (kvh * group + entry // num_q_blocks + r // SUB).to(tl.int64)
             offs_m = (entry % num_q_blocks) * LAYOUT_BLOCK + (r % SUB) * BLOCK_M + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < q_len
-            q_mask = m_ok[:, None] & d_ok[None, :]
-            rows = offs_m.to(tl.int64)[:, None]
-            q = tl.load(Q + b * stride_qb + h * stride_qh + rows * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
-            do = tl.load(DOut + b * stride_db + h * stride_dh + rows * stride_ds + offs_d[None, :], mask=q_mask,
-                         other=0.0)
-            row = (b * num_q_heads + h) * q_len + offs_m
-            lse2 = tl.load(Lse2 + row, mask=m_ok, other=float("inf"))
-            delta = tl.load(Delta + row, mask=m_ok, other=0.0)
+        m_ok = offs_m < q_len
+        q, do, lse2, delta = load_query_rows(Q, DOut, Lse2, Delta, b, h, offs_m, m_ok, offs_d, d_ok, stride_qb,
+                                             stride_qh, stride_qs, stride_db, stride_dh, stride_ds, num_q_heads, q_len,
+                                             LEAN, ROWS_I32, WHOLE_ROWS)
         p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
         if i >= n_full:
             q_idx, q_seg = load_meta(q_index, q_segment, offs_m, m_ok)

@@ -27,7 +27,16 @@ import triton.language as tl
 
 from .configs import FP_FUSION, Tiles
 from .indexing import column_union
-from .tiles import INT32_MAX, full_columns, layout_count, load_meta, query_segments, query_tile, visible
+from .tiles import (
+    INT32_MAX,
+    full_columns,
+    layout_count,
+    load_meta,
+    load_query_rows,
+    query_segments,
+    query_tile,
+    visible,
+)
 
 
 @triton.jit
@@ -98,15 +107,9 @@ def _column_kernel(
             if taken > 0:
                 offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
                 m_ok = offs_m < q_len
-                q_mask = m_ok[:, None] & d_ok[None, :]
-                q_rows = offs_m.to(tl.int64)[:, None]
-                q = tl.load(Q + b * stride_qb + h * stride_qh + q_rows * stride_qs + offs_d[None, :],
-                            mask=q_mask, other=0.0)
-                do = tl.load(DOut + b * stride_db + h * stride_dh + q_rows * stride_ds + offs_d[None, :],
-                             mask=q_mask, other=0.0)
-                row = (b * num_q_heads + h) * q_len + offs_m
-                lse2 = tl.load(Lse2 + row, mask=m_ok, other=float("inf"))
-                delta = tl.load(Delta + row, mask=m_ok, other=0.0)
+                q, do, lse2, delta = load_query_rows(Q, DOut, Lse2, Delta, b, h, offs_m, m_ok, offs_d, d_ok, stride_qb,
+                                                     stride_qh, stride_qs, stride_db, stride_dh, stride_ds, num_q_heads,
+                                                     q_len, False, False, False)
                 p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
                 p_t = tl.where(member[:, None], p_t, 0.0)
                 # ds before the visibility mask, masked with p inside the branch: a product whose result reaches

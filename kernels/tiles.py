@@ -86,6 +86,45 @@ def query_tile(pid_bh, tile, num_q_heads, group, layout_heads, num_q_blocks, q_l
 
 
 @triton.jit
+def load_query_rows(Q, DOut, Lse2, Delta, b, h, offs_m, m_ok, offs_d, d_ok, stride_qb, stride_qh, stride_qs, stride_db,
+                    stride_dh, stride_ds, num_q_heads, q_len, LEAN: tl.constexpr, ROWS_I32: tl.constexpr,
+                    WHOLE_ROWS: tl.constexpr):
+    """What the backward kernels read of query rows `offs_m` of (batch row b, query head h): their Q and dO tiles
+    [M, D], and base-2 lse and delta [M] as `block_sparse_bwd._preprocess_kernel` leaves them. Rows outside the
+    queries read q = dO = 0, lse2 = +inf (so p = 0) and delta = 0.
+
+    With LEAN (`Tiles.lean_index`, `block_sparse_fwd.lean_rows`) the rows are addressed from the (batch row, head)'s
+    int64 base, offset in int32 where they fit (ROWS_I32), and loaded without masks where every row and lane lies
+    inside the tensors (WHOLE_ROWS); without it, in 64-bit offsets from the tensors' start, each load beside its
+    address (the launched builds' order)."""
+    h64 = h.to(tl.int64)
+    if LEAN:
+        if ROWS_I32:
+            rows = offs_m[:, None]
+        else:
+            rows = offs_m.to(tl.int64)[:, None]
+        q_ptr = Q + (b * stride_qb + h64 * stride_qh) + rows * stride_qs + offs_d[None, :]
+        do_ptr = DOut + (b * stride_db + h64 * stride_dh) + rows * stride_ds + offs_d[None, :]
+        head_row = (b * num_q_heads + h64) * q_len
+        lse_ptr = Lse2 + head_row + offs_m
+        delta_ptr = Delta + head_row + offs_m
+        if WHOLE_ROWS:
+            return tl.load(q_ptr), tl.load(do_ptr), tl.load(lse_ptr), tl.load(delta_ptr)
+        q_mask = m_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_ptr, mask=q_mask, other=0.0)
+        do = tl.load(do_ptr, mask=q_mask, other=0.0)
+        return q, do, tl.load(lse_ptr, mask=m_ok, other=float("inf")), tl.load(delta_ptr, mask=m_ok, other=0.0)
+    q_mask = m_ok[:, None] & d_ok[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    q = tl.load(Q + b * stride_qb + h64 * stride_qh + rows * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+    do = tl.load(DOut + b * stride_db + h64 * stride_dh + rows * stride_ds + offs_d[None, :], mask=q_mask, other=0.0)
+    row = (b * num_q_heads + h64) * q_len + offs_m
+    lse2 = tl.load(Lse2 + row, mask=m_ok, other=float("inf"))
+    delta = tl.load(Delta + row, mask=m_ok, other=0.0)
+    return q, do, lse2, delta
+
+
+@triton.jit
 def layout_count(CountPtr, lay, width):
     """The count of layout row `lay` clamped to [0, width], and whether it lay outside (an invalid
     layout, which the kernels turn into NaN rows instead of reading past the row)."""
