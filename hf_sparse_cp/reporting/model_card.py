@@ -62,6 +62,9 @@ _VERSION_NAMES = {"transformers": "Transformers", "torch": "Pytorch", "accelerat
                   "peft": "PEFT"}
 # Arguments of `create_model_card` (the stock one's, TRL's, the plugin's) that name the training data.
 _DATASET_KEYS = ("datasets", "dataset_tags", "dataset_name", "dataset")
+# What `datasets` records as the builder of `from_generator`'s data (run_clm.py --streaming splits a text file into
+# two of them): no dataset's name. The stock card names it a Hub dataset, as it leaves out csv, json, text, ...
+_GENERATOR = "generator"
 # Files of a saved tokenizer (`save_pretrained` writes the config; fast tokenizers also tokenizer.json).
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 # PEFT's tag naming an adapter's base model (written with an empty name for a base model built from a config).
@@ -75,10 +78,11 @@ _TOTAL_EVAL_BATCH = re.compile(r"^- total_eval_batch_size: .*$", re.MULTILINE)
 _OPTIMIZER = re.compile(r"^- optimizer: .*$", re.MULTILINE)
 _DISTRIBUTED_TYPE = re.compile(r"^- distributed_type: multi-GPU$", re.MULTILINE)
 # Sentences of the stock card that are wrong for a model built from a config (its `_name_or_path` is "": an
-# empty base-model link) and for an in-memory dataset (no builder name: "the None dataset").
+# empty base-model link) and for an in-memory dataset (no builder name: "the None dataset"; a generator's).
 _FROM_SCRATCH = "This model was trained from scratch on"
 _STOCK_FIXES = (("This model is a fine-tuned version of [](https://huggingface.co/) on", _FROM_SCRATCH),
-                (" on the None dataset.", " on an unknown dataset."))
+                (" on the None dataset.", " on an unknown dataset."),
+                (f" on the {_GENERATOR} dataset.", " on an unknown dataset."))
 # TRL's card, for a run without a Hub base model or Hub id: its base-model link, title and quick start name None
 # (the quick start, a `pipeline(model="None")`, is dropped: the plugin's section has one that names the model).
 _TRL_NONE_LINK = "[None](https://huggingface.co/None)"
@@ -249,6 +253,7 @@ def _training_data(trainer: Trainer, dataset_tags: Any) -> str | None:
     data = trainer.train_dataset
     info = getattr(data, "info", None)
     name = dataset_tags or getattr(info, "dataset_name", None) or getattr(info, "builder_name", None)
+    name = None if name == _GENERATOR else name
     if isinstance(name, list | tuple):
         name = ", ".join(map(str, name))
     try:
@@ -577,7 +582,7 @@ def _hub_metadata(card: str, trainer: Trainer, given: dict[str, Any]) -> str:
     body = _TRL_NONE_TITLE.sub(f"# Model Card for {Path(_model_name(trainer)).name}", body)
     body = _OWN_QUICK_START.sub("", body)
     named = [name for key in _DATASET_KEYS for name in _as_list(given.get(key))] or _as_list(metadata.get("datasets"))
-    datasets = list(dict.fromkeys(name for name in named if is_hub_id(name)))
+    datasets = list(dict.fromkeys(name for name in named if is_hub_id(name) and name != _GENERATOR))
     metadata.pop("datasets", None)
     if datasets:
         metadata["datasets"] = datasets

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from accelerate.utils import str_to_bool
 from transformers import Trainer
+from transformers.trainer_pt_utils import find_batch_size
 
 from ..config import SparseAttentionConfig
 from ..distributed import (
@@ -581,6 +582,7 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     training_step, prediction_step, compute_loss = trainer.training_step, trainer.prediction_step, trainer.compute_loss
     in_step = [False]  # (`_gather_metrics_once_per_cp_group`: what a step gathers is its shard's)
     predicting = [False]
+    rows = [None]  # the rows of the last step's batch (`_gather_metrics_once_per_cp_group`)
     shard: list[CPShard | None] = [None]  # the step's batch's (None: the batch ran unsharded)
     whole_rows = type(trainer).compute_loss in compat.cp_whole_row_losses()
     # (GRPO's and RLOO's rows are generated in the step, unsharded on each CP group's first rank: those forwards are
@@ -615,6 +617,7 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     noise = neftune_over_cp_group(trainer, patches)
 
     def step(model, inputs, *rest, **kwargs):
+        rows[0] = find_batch_size(inputs)
         with stepping(False):
             if noise is not None:
                 noise.on = True
@@ -661,6 +664,7 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
         return (result[0] * share, result[1]) if return_outputs else result * share
 
     def predict(model, inputs, *rest, **kwargs):
+        rows[0] = find_batch_size(inputs)
         with stepping(True):
             loss, *outputs = prediction_step(model, inputs, *rest, **kwargs)
             # (a batch without labels runs unsharded in the stock step: each rank computes the whole sequence)
@@ -678,22 +682,27 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     router_loss_over_cp_group(trainer.model, patches)
     smooth_labels_over_cp_group(trainer, patches, parallel)
     # (what a whole-row trainer's step gathers is already the batch's)
-    _gather_metrics_once_per_cp_group(trainer, patches, parallel, lambda: in_step[0] and not whole_rows)
+    _gather_metrics_once_per_cp_group(trainer, patches, parallel, lambda: in_step[0] and not whole_rows,
+                                      lambda: rows[0])
 
 
 def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims],
-                                      in_step: Callable[[], bool]) -> None:
+                                      in_step: Callable[[], bool], batch_rows: Callable[[], int | None]) -> None:
     """Make `gather_for_metrics` (the evaluation loop's gather of losses) keep each CP group's values once.
 
     Every rank of a CP group evaluates the same batch, so accelerate's gather over all processes holds each value
     cp_size times, interleaved by rank, and its truncation of the last batch (`remainder`, counted over the
     data-parallel ranks that `dp_data_loader` shards over) keeps the wrong ones: a short last batch skews
     `eval_loss`. The wrapper keeps the values of each CP group's first rank, in data-parallel order, then truncates
-    as accelerate does. What a training or prediction step gathers (`in_step()`) is computed from each rank's own
-    shard (TRL's sums of token entropy, correct top-1 tokens and label tokens, its MoE auxiliary loss, which it
-    averages): the wrapper keeps every rank's, grouped by sample over the CP group (each sample's cp_size shard
-    values together), and truncates a short last batch by whole samples, so that a sum over them is the batch's
-    and a mean the mean over its shards (the stock truncation kept the first rank's shard alone)."""
+    as accelerate does; a loader without a length (an iterable evaluation set: `run_clm.py --streaming`, which
+    accelerate dispatches from rank 0 without CP, knowing the remainder) knows none, so the last batch's rows are
+    those the last step took (`batch_rows()`; the evaluation loop repeats a batch's loss per_device_eval_batch_size
+    times: a short last batch's row counted twice). What a training or prediction step gathers (`in_step()`) is
+    computed from each rank's own shard (TRL's sums of token entropy, correct top-1 tokens and label tokens, its MoE
+    auxiliary loss, which it averages): the wrapper keeps every rank's, grouped by sample over the CP group (each
+    sample's cp_size shard values together), and truncates a short last batch by whole samples, so that a sum over
+    them is the batch's and a mean the mean over its shards (the stock truncation kept the first rank's shard
+    alone)."""
     from accelerate.utils import gather_object, recursively_apply
 
     acc = trainer.accelerator
@@ -712,6 +721,10 @@ def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Calla
             return gather_for_metrics(input_data, use_gather_object=use_gather_object)
         state = acc.gradient_state
         cut = state.remainder if state.end_of_dataloader and state.remainder > 0 else None
+        if state.end_of_dataloader and state.remainder < 0 and batch_rows() is not None:
+            # (with several data-parallel ranks, accelerate's shard of an iterable set fills each rank's last batch
+            # from its first: it holds no fewer rows)
+            cut = batch_rows() * par.dp_size
         if use_gather_object or not all_tensors:
             data = gather_object(input_data)
             n = len(data) // par.world_size

@@ -131,6 +131,20 @@ def test_the_cards_metadata_is_what_a_hub_page_accepts(smet_run, tmp_path):
     assert card.count("### Framework versions") == 1
 
 
+def test_a_streaming_datasets_generator_is_named_no_dataset(smet_run, monkeypatch):
+    """run_clm.py --streaming trains on an IterableDataset.from_generator (its split of a text file), whose builder
+    `datasets` records as 'generator': the stock card named it a Hub dataset (`datasets: [generator]`, 'on the
+    generator dataset')."""
+    from datasets import IterableDataset
+
+    trainer, parallel, _ = smet_run
+    rows = list(trainer.train_dataset)
+    monkeypatch.setattr(trainer, "train_dataset", IterableDataset.from_generator(lambda: iter(rows)))
+    card = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN).read_text()
+    assert "datasets" not in _front_matter(card) and "generator" not in card, card
+    assert "This model was trained from scratch on an unknown dataset." in card
+
+
 def test_writing_the_card_again_amends_the_fresh_stock_card_once(smet_run):
     trainer, parallel, path = smet_run
     write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN, tags=["passkey"])
