@@ -145,7 +145,10 @@ PATCHES = (
           ("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
     Patch(_TRAINER, "label_smoother", "sets", "label smoothing under CP: the Trainer's smoother shifts the labels it "
           "gets and counts a rank's targets; the wrapper hands it the shard's shifted targets unshifted and the CP "
-          "group's count", _CP_UNDO, on_instances=True),
+          "group's count. Under FSDP2 (without CP too: `attach.shift_smoothed_labels_under_fsdp`) the Trainer tells "
+          "it not to shift a causal LM's labels, its check of the class name missing FSDP2's renamed class "
+          "(`smoother_shifts_labels`): the wrappers shift them", f"{_CP_UNDO}; detach_from_trainer(trainer)",
+          on_instances=True),
     Patch("transformers.trainer_utils", "seed_worker", "reads", "the Trainer seeds its training loader's workers by "
           "the process index (`partial(seed_worker, rank=process_index)`), so under CP the ranks of a group, which "
           "take the same samples, drew different random numbers in their workers (a dataset's random crops): the CP "
@@ -612,6 +615,25 @@ def cp_row_score_losses() -> tuple[Callable, ...]:
     RewardTrainer's); the others are a language model's."""
     trl = sys.modules.get("trl")
     return (trl.RewardTrainer.compute_loss,) if trl is not None else ()
+
+
+def smoother_shifts_labels(model: Any) -> bool:
+    """Whether the Trainer's compute_loss has its label smoother shift the labels of `model` (the Trainer's model):
+    its class, a PEFT model's base model's, is one of transformers' causal LMs. The Trainer asks by the class's name,
+    which FSDP2's `fully_shard` replaces with its own class FSDP<name>: its check then missed every causal LM, so the
+    smoother scored each position's logits against its own token, not the next (FSDP2 with --label_smoothing_factor:
+    eval_loss 4.17 where one process has 5.59). This reads the name of the class that `fully_shard` derived from."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    base = getattr(model, "get_base_model", None)
+    cls = type(base() if callable(base) else model)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # (a torch build without distributed: no FSDP2 class to look past)
+        FSDPModule = None  # noqa: N806
+    if FSDPModule is not None:
+        cls = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+    return cls.__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
 def argument_parser_classes() -> list[type]:

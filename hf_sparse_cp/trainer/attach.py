@@ -64,6 +64,7 @@ _STEP_METRICS = "step_metrics"
 _CHECKPOINTS = "checkpoints"
 _DDP_TIMEOUT = "ddp_timeout"
 _PREPARED_AFTER_EVALUATION = "prepared_after_evaluation"
+_SHIFTED_SMOOTHING = "shifted_smoothing"
 # A Trainer built by a script under `hf_sparse_cp.run` records its change of class under this name
 # (`hf_sparse_cp.launch.launched`).
 LAUNCHED = "launched"
@@ -377,6 +378,23 @@ def prepare_for_training_after_evaluation(trainer: Trainer, patches: PatchSet) -
     patches.set_attr(accelerator, "prepare_model", prepare_model)
 
 
+def shift_smoothed_labels_under_fsdp(trainer: Trainer, patches: PatchSet) -> None:
+    """Make the Trainer's label smoothing (`--label_smoothing_factor`) of a causal LM under FSDP2 shift its labels,
+    as it does without FSDP: the Trainer decides by the model class's name, which FSDP2 replaces
+    (`compat.smoother_shifts_labels`). Under CP the CP group's smoother decides so itself
+    (`context_parallel.smooth_labels_over_cp_group`); this is the runs without CP's. No-op without label smoothing
+    or FSDP."""
+    smoother = trainer.label_smoother
+    if smoother is None or not trainer.is_fsdp_enabled:
+        return
+
+    def smooth(model_output, labels, shift_labels=False, num_items_in_batch=None):
+        shift = shift_labels or compat.smoother_shifts_labels(trainer.model)
+        return smoother(model_output, labels, shift_labels=shift, num_items_in_batch=num_items_in_batch)
+
+    patches.set_attr(trainer, "label_smoother", smooth)
+
+
 _ABSENT = object()
 # What accelerate's `prepare_model` sets on the model itself in evaluation mode: the mark that it was prepared and
 # the mixed-precision forward (autocast, outputs in fp32) with the forward it wraps.
@@ -444,6 +462,8 @@ def attach_to_trainer(
         curriculum = enable_curriculum(trainer, schedule, cp_config)
         parallel = curriculum.dims[0]
         cp_schedule = schedule.text
+    if parallel.cp_size == 1 and cp_schedule is None and attached_patches(trainer, _SHIFTED_SMOOTHING) is None:
+        shift_smoothed_labels_under_fsdp(trainer, record_on(trainer, _SHIFTED_SMOOTHING))
     if attached_patches(trainer, _CHECKPOINTS) is None:
         protect_checkpoints(trainer, parallel, record_on(trainer, _CHECKPOINTS), cp_schedule=cp_schedule)
     if trainer.is_world_process_zero() and compat.attn_implementation(trainer.model.config) == BACKEND_NAME:
@@ -465,6 +485,7 @@ def detach_from_trainer(trainer: Trainer) -> None:
     require_trainer(trainer, "detach_from_trainer(trainer)")
     disable_curriculum(trainer)
     disable_trainer_context_parallel(trainer)
+    undo_recorded(trainer, _SHIFTED_SMOOTHING)
     undo_recorded(trainer, _CHECKPOINTS)
     undo_recorded(trainer, _SPARSITY_LOGGING)
     undo_recorded(trainer, _STEP_METRICS)

@@ -482,8 +482,10 @@ def smooth_labels_over_cp_group(trainer: Trainer, patches, parallel: Callable[[]
 
     def smooth(model_output, labels, shift_labels=False, num_items_in_batch=None):
         par = parallel()
-        # (a causal LM's own loss shifts whatever its class's name, an encoder-decoder family's decoder's never)
-        shift = (head == LANGUAGE_MODEL and not unshifted_lm) if own_loss else shift_labels
+        # (a causal LM's own loss shifts whatever its class's name, an encoder-decoder family's decoder's never; the
+        # Trainer's check of the name misses a causal LM that FSDP2 renamed)
+        shift = ((head == LANGUAGE_MODEL and not unshifted_lm) if own_loss
+                 else shift_labels or compat.smoother_shifts_labels(trainer.model))
         if par.cp_size == 1 or head in BATCH_OUTPUT_HEADS:  # (its pooled logits and row labels: the batch's)
             return smoother(model_output, labels, shift_labels=shift, num_items_in_batch=num_items_in_batch)
         if not shift:  # the Trainer smooths the labels as given
