@@ -459,6 +459,22 @@ def attach_to_trainer(
     return parallel
 
 
+def attach_to_rebuilt_model(trainer: Trainer, cp_config: ContextParallelConfig | None = None,
+                            cp_schedule: str | None = None) -> ParallelDims:
+    """Set context parallelism (or the `cp_schedule` curriculum) up again on `trainer.model`, rebuilt by the
+    Trainer's `model_init` at `train()` after `attach_to_trainer` (the same `cp_config` and `cp_schedule`): the hooks
+    they put on the model, its sparse pattern and the stages' patterns belong to the model they were set up on.
+    Returns the `ParallelDims` in use (with a schedule, the first stage's); their process groups are built anew."""
+    require_trainer(trainer, "attach_to_rebuilt_model(trainer, ...)")
+    if cp_schedule is not None:
+        disable_curriculum(trainer)
+        with flag_errors():
+            schedule = schedule_for(trainer, parse_schedule(cp_schedule))
+        return enable_curriculum(trainer, schedule, cp_config).dims[0]
+    disable_trainer_context_parallel(trainer)
+    return enable_trainer_context_parallel(trainer, cp_config)
+
+
 def detach_from_trainer(trainer: Trainer) -> None:
     """Undo `attach_to_trainer`: the logging callback, checkpoint protection and context parallelism, and for a
     Trainer a script built under `hf_sparse_cp.run`, its class (no-op when not attached)."""
