@@ -103,6 +103,18 @@ def test_the_start_up_line_says_which_layers_are_sparse_and_warns_when_none_is(t
             in _start_up_line(caplog, tmp_path, *PATTERN, "--sparse_dense_first_layers", "2"))
 
 
+def test_the_start_up_report_of_a_cp_schedule_says_each_stage(tmp_path, caplog):
+    """One line per stage: from which step, its length, its CP layout and how the layers attend at that length with
+    its pattern (the first stage's alone was described, at the longest stage's length)."""
+    text = _start_up_line(caplog, tmp_path, *PATTERN, "--sparse_min_seq_len", "200", "--cp_schedule",
+                          "0:128:1,2:256:1:dense_first_layers=0")
+    assert ("sparse_cp: cp_schedule 0:128:1,2:256:1:dense_first_layers=0 (FROM:SEQ_LEN:CP_SIZE); fused ops: "
+            "off (stock PyTorch around attention); 2 stages:\n"
+            "  stage 0 from step 0: 128 tokens, no CP, DP 1; every layer dense (no document reaches "
+            "min_seq_len=200).\n"
+            "  stage 1 from step 2: 256 tokens, no CP, DP 1; 2 of 2 layers vertical-slash (block 32).") in text
+
+
 def test_the_automatic_gradient_checkpointing_is_logged(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         trainer = SparseTrainer(model=_model(), args=_args(tmp_path, "--sparse_gradient_checkpointing_min_length",
