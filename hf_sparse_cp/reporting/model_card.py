@@ -329,8 +329,10 @@ def _metric(value: Any) -> str:
 
 
 def _model_name(trainer: Trainer) -> str:
-    """Where the saved model is loaded from: its Hub id when pushed, else the output folder."""
-    return trainer.args.hub_model_id or trainer.args.output_dir
+    """Where the saved model is loaded from: the Hub repo the Trainer pushes to (`trainer.hub_model_id`, the repo's
+    whole id, set once it has created it: `<user>/<output folder's name>` without --hub_model_id), else the output
+    folder (also with a --hub_model_id never pushed to)."""
+    return getattr(trainer, "hub_model_id", None) or trainer.args.output_dir
 
 
 def _peft_model(trainer: Trainer) -> Any:

@@ -255,11 +255,12 @@ def apply_ddp_timeout(trainer: Trainer, patches: PatchSet) -> None:
         patches.on_undo(functools.partial(compat.set_process_group_timeout, previous), outside=True)
 
 
-def describe_layers(model: torch.nn.Module, max_length: int | None) -> tuple[str, str]:
-    """How the model's layers attend (sparse or dense, and why), and a note when `max_length` leaves them all
-    dense ('' otherwise): the start-up line's first part and its ending."""
+def describe_layers(model: torch.nn.Module, max_length: int | None,
+                    pattern: SparseAttentionConfig | None = None) -> tuple[str, str]:
+    """How the model's layers attend (sparse or dense, and why) with `pattern` (default: the model's), and a note when
+    `max_length` leaves them all dense ('' otherwise): the start-up line's first part and its ending."""
     config = model.config
-    cfg = model_config_for(model)
+    cfg = model_config_for(model) if pattern is None else pattern
     n = language_config(config).num_hidden_layers
     sliding = sliding_window_layers(config)
     dense = [i for i in range(n) if cfg.for_layer(i).pattern == "dense" and i not in sliding]
@@ -467,16 +468,45 @@ def attach_to_trainer(
     if attached_patches(trainer, _CHECKPOINTS) is None:
         protect_checkpoints(trainer, parallel, record_on(trainer, _CHECKPOINTS), cp_schedule=cp_schedule)
     if trainer.is_world_process_zero() and compat.attn_implementation(trainer.model.config) == BACKEND_NAME:
-        if cp_schedule is not None:
-            how = f"cp_schedule {cp_schedule} (FROM:SEQ_LEN:CP_SIZE), {parallel.sharding} sharding"
-        elif parallel.cp_size > 1:
-            how = parallel.describe()
-        else:
-            how = "off"
-        layers, note = describe_layers(trainer.model, max_length)
         fused = describe_fused_ops(trainer.model, compiled=compiles_whole(trainer.args))
-        logger.warning("%s; %s; context parallelism: %s.%s", layers, fused, how, note)
+        if cp_schedule is not None:
+            logger.warning("sparse_cp: cp_schedule %s (FROM:SEQ_LEN:CP_SIZE); %s; %d stages:\n%s", cp_schedule, fused,
+                           len(curriculum.dims), "\n".join(describe_stages(trainer.model, curriculum)))
+        else:
+            layers, note = describe_layers(trainer.model, max_length)
+            how = parallel.describe() if parallel.cp_size > 1 else "off"
+            logger.warning("%s; %s; context parallelism: %s.%s", layers, fused, how, note)
     return parallel
+
+
+def describe_stages(model: torch.nn.Module, curriculum) -> list[str]:
+    """One line per stage of `curriculum` (`curriculum.Curriculum`) for the start-up report: from which step, its
+    sequence length, its CP layout and how the model's layers attend with its pattern at that length."""
+    schedule, lines = curriculum.schedule, []
+    for i, (start, stage, dims) in enumerate(zip(schedule.starts, schedule.stages, curriculum.dims)):
+        layers, note = describe_layers(model, stage.seq_len, schedule.configs[i])
+        if note:
+            layers = f"every layer dense (no document reaches min_seq_len={schedule.configs[i].min_seq_len})"
+        layout = dims.describe() if dims.cp_size > 1 else f"no CP, DP {dims.dp_size}"
+        lines.append(f"  stage {i} from step {start}: {stage.seq_len} tokens, {layout}; "
+                     f"{layers.removeprefix('sparse_cp: ')}.")
+    return lines
+
+
+def attach_to_rebuilt_model(trainer: Trainer, cp_config: ContextParallelConfig | None = None,
+                            cp_schedule: str | None = None) -> ParallelDims:
+    """Set context parallelism (or the `cp_schedule` curriculum) up again on `trainer.model`, rebuilt by the
+    Trainer's `model_init` at `train()` after `attach_to_trainer` (the same `cp_config` and `cp_schedule`): the hooks
+    they put on the model, its sparse pattern and the stages' patterns belong to the model they were set up on.
+    Returns the `ParallelDims` in use (with a schedule, the first stage's); their process groups are built anew."""
+    require_trainer(trainer, "attach_to_rebuilt_model(trainer, ...)")
+    if cp_schedule is not None:
+        disable_curriculum(trainer)
+        with flag_errors():
+            schedule = schedule_for(trainer, parse_schedule(cp_schedule))
+        return enable_curriculum(trainer, schedule, cp_config).dims[0]
+    disable_trainer_context_parallel(trainer)
+    return enable_trainer_context_parallel(trainer, cp_config)
 
 
 def detach_from_trainer(trainer: Trainer) -> None:

@@ -204,6 +204,36 @@ class StepMetricsCallback(TrainerCallback):
                             for x in (self.total, self.since_log)])
 
 
+class EvaluationStepsCallback(TrainerCallback):
+    """Makes `evaluate()`'s and `predict()`'s `<prefix>_steps_per_second` count the steps their evaluation loop took
+    (its batches: on every rank, one a global batch of the eval batch size times the data-parallel degree), as one
+    process does for the same global batches. The Trainer counts ceil(samples / (eval batch size x world size)), and
+    under context parallelism the world size holds each CP group's ranks too (CP 2: half the steps). The samples per
+    second are the evaluation set's already. First among the callbacks, so that the reporting ones log the count."""
+
+    def __init__(self) -> None:
+        self.steps = 0  # the evaluation loop's steps since its metrics were last reported
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        self.steps += 1
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._count(state, logs)
+
+    def on_predict(self, args, state, control, metrics=None, **kwargs):
+        self._count(None, metrics)
+
+    def _count(self, state, metrics: dict | None) -> None:
+        """Put the loop's steps into `metrics` (and into the Trainer's history with `state`), if they are its."""
+        for key in [k for k in metrics or () if k.endswith("_steps_per_second") and k != "train_steps_per_second"]:
+            runtime = metrics.get(key.removesuffix("_steps_per_second") + "_runtime")
+            if self.steps and runtime:
+                metrics[key] = round(self.steps / runtime, 3)
+                if state is not None and state.log_history:
+                    state.log_history[-1][key] = metrics[key]
+            self.steps = 0
+
+
 class SMETCallback(TrainerCallback):
     """Attaches SMET when training begins (after accelerate has prepared the model and a checkpoint was
     loaded), sets the prune-rate decay horizon from `max_steps`, and logs `smet/density` (the whole model's),

@@ -66,6 +66,7 @@ from ..integration.patching import record_on, temporarily, undo_recorded
 from ..integration.planner_weights import planned_linear_weight
 from .adapter_loss import regularizer_share
 from .arguments import flag_errors
+from .callbacks import EvaluationStepsCallback
 from .generated_rows import check_generating_trainer, share_generation_batches
 from .router_loss import loss_share, model_loss_share, router_loss_over_cp_group
 from .token_ids import CheckedCollate, vocabulary_of
@@ -152,7 +153,8 @@ def first_batch_of_each_run(trainer: Trainer) -> Callable[[], bool]:
 
 def count_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims], owns_cp: bool) -> None:
     """Every rank of a CP group sees the same (unsharded) batch in the Trainer's loop: make its token,
-    flop and batch-size accounting count that batch once per group, as without CP. `parallel()` is the
+    flop and batch-size accounting, and the steps of evaluate()'s and predict()'s steps per second
+    (`callbacks.EvaluationStepsCallback`), count that batch once per group, as without CP. `parallel()` is the
     CP layout of the step in progress (constant, or a curriculum's stage).
 
     The loss's token count (`num_items_in_batch`) is, under CP, always in the form the Trainer gives with
@@ -196,6 +198,7 @@ def count_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], Pa
         trainer.state.num_input_tokens_seen = before + (trainer.state.num_input_tokens_seen - before) // cp_size()
 
     patches.set_attr(trainer, compat.TRAINER_TRACK_TOKENS, track_once)
+    patches.insert(trainer.callback_handler, "callbacks", 0, EvaluationStepsCallback())
     # (TRL's `num_tokens`, counted on each rank's padded shard, is replaced by `callbacks.StepMetricsCallback`)
 
 

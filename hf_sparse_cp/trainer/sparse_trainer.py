@@ -48,7 +48,7 @@ from ..reporting.model_card import write_sparse_model_card
 from .arguments import (
     flag_errors,
 )
-from .attach import attach_to_trainer, enable_sparse_attention, training_fused_ops
+from .attach import attach_to_rebuilt_model, attach_to_trainer, enable_sparse_attention, training_fused_ops
 from .callbacks import StepMetricsCallback
 from .context_parallel import check_training_arguments
 from .cpu_fsdp import check_cpu_fsdp_version, disable_cpu_fsdp2, enable_cpu_fsdp2
@@ -276,10 +276,11 @@ class SparseTrainerMixin:
     """What makes a Trainer class train with the plugin as its arguments say (`sparse_trainer_class`).
 
     Args:
-        model: a transformers causal LM, or what the Trainer class itself takes for one (TRL: a Hub id); not
-            `model_init` (the backend is configured on the model).
+        model: a transformers causal LM, or what the Trainer class itself takes for one (TRL: a Hub id); or None
+            with `model_init=` in `kwargs`, whose every model (built in `__init__` and again at each `train()`) is
+            configured as a model given here is (`call_model_init`).
         args: arguments of a class from `sparse_arguments_class` (`SparseTrainingArguments`, ...).
-        *rest, **kwargs: as for the Trainer class (train_dataset, data_collator, processing_class, ...).
+        *rest, **kwargs: as for the Trainer class (train_dataset, data_collator, processing_class, model_init, ...).
     """
 
     def __init__(self, model: torch.nn.Module | str | None = None, args: TrainingArguments | None = None, *rest,
@@ -296,24 +297,15 @@ class SparseTrainerMixin:
                 f"{type(self).__name__} takes arguments with the plugin's flags (got {type(args).__name__}): parse "
                 "the command line with HfArgumentParser(SparseTrainingArguments), or for another argument class "
                 "with HfArgumentParser(sparse_arguments_class(ThatClass)).")
-        if model is None:
-            raise ValueError(f"{type(self).__name__} needs the model itself (model_init is not supported): the "
-                             "sparse backend is configured on it before training.")
         with flag_errors():  # (the user's: a launched script ends with the message alone)
             _refuse_empty_datasets(type(self).__name__, kwargs)
         longest_stage = max((s.seq_len for s in parse_schedule(args.cp_schedule)), default=None) if (
             args.cp_schedule) else None
         self.max_length = args.sequence_length or longest_stage or _first_length(kwargs.get("train_dataset"))
+        self._packed_documents = _packs_documents(kwargs.get("data_collator"), args)
         loaded_here = isinstance(model, str)  # (TRL loads a model named by its Hub id in its own __init__)
-        if args.sparse_attention and not loaded_here:
-            self._enable_sparse_attention(model, args, kwargs.get("data_collator"))
-        elif not args.sparse_attention and not loaded_here:
-            _refuse_sparse_model_with_switch_off(model)
-        if not args.sparse_attention and getattr(getattr(model, "config", None), MODEL_CONFIG_ATTRIBUTE, None):
-            logger.warning("The model's config holds sparse attention settings (%s: saved by an hf-sparse-cp run), "
-                           "which this run ignores: --sparse_attention is off, so attention runs %r. Pass "
-                           "--sparse_attention true to train with them.", MODEL_CONFIG_ATTRIBUTE,
-                           compat.attn_implementation(model.config))
+        if model is not None and not loaded_here:  # (None: `model_init`'s, configured in `call_model_init`)
+            self._configure_model(model, args)
         config = getattr(model, "config", None)
         if args.ddp_find_unused_parameters is None and config is not None and uses_every_parameter(config):
             # (the Trainer's default without gradient checkpointing searches the graph after every backward, and
@@ -324,10 +316,9 @@ class SparseTrainerMixin:
                 trainer_init(model, args, *rest, **kwargs)
             else:  # by name: a Trainer class's second parameter may be another (TRL DPOTrainer's is ref_model)
                 trainer_init(model, args=args, **kwargs)
-        if args.sparse_attention and loaded_here:
-            self._enable_sparse_attention(self.model, args, self.data_collator)
-        elif loaded_here:
-            _refuse_sparse_model_with_switch_off(self.model)
+        if loaded_here:
+            self._packed_documents = _packs_documents(self.data_collator, args)
+            self._configure_model(self.model, args)
         self.parallel = attach_to_trainer(self, args.plugin_arguments(), args.context_parallel_config(),
                                           max_length=self.max_length, cp_schedule=args.cp_schedule)
         smet = args.smet_optimizer_config()
@@ -335,9 +326,40 @@ class SparseTrainerMixin:
             with flag_errors():  # (settings against the model: a block size that does not divide a weight's columns)
                 install_smet(self, smet)
 
-    def _enable_sparse_attention(self, model: torch.nn.Module, args: SparseArgumentsMixin, collator) -> None:
-        enable_sparse_attention(model, args.plugin_arguments(), args.pattern_flags(), args, self.max_length,
-                                explicit=args.explicit_flags, packed_documents=_packs_documents(collator, args))
+    def _configure_model(self, model: torch.nn.Module, args: SparseArgumentsMixin) -> None:
+        """Switch `model` to the sparse backend with the run's pattern; with `--sparse_attention false`, refuse one
+        that runs it and say that a saved sparse pattern goes unused."""
+        if args.sparse_attention:
+            enable_sparse_attention(model, args.plugin_arguments(), args.pattern_flags(), args, self.max_length,
+                                    explicit=args.explicit_flags, packed_documents=self._packed_documents)
+            return
+        _refuse_sparse_model_with_switch_off(model)
+        if getattr(getattr(model, "config", None), MODEL_CONFIG_ATTRIBUTE, None):
+            logger.warning("The model's config holds sparse attention settings (%s: saved by an hf-sparse-cp run), "
+                           "which this run ignores: --sparse_attention is off, so attention runs %r. Pass "
+                           "--sparse_attention true to train with them.", MODEL_CONFIG_ATTRIBUTE,
+                           compat.attn_implementation(model.config))
+
+    def call_model_init(self, trial=None) -> torch.nn.Module:
+        """The Trainer's `call_model_init`, which builds the model from `model_init` in `__init__` and again at every
+        `train()` (a hyperparameter search's trial, a reproducible re-initialisation): each model it returns is
+        configured as a model given directly is (`_configure_model`), and at `train()` context parallelism and a
+        `--cp_schedule` are set up again on the new model (`attach.attach_to_rebuilt_model`). A hyperparameter search
+        under CP is refused, naming the fix: each trial builds the Trainer's accelerator anew, which CP's data loading
+        and gathering are set up on."""
+        if trial is not None and max(d for _, d in self.args.cp_degrees()) > 1:
+            with flag_errors():
+                raise ValueError(
+                    "hyperparameter_search under context parallelism (--cp_size / --cp_schedule) is not supported: "
+                    "each trial builds the Trainer's accelerator anew, without the CP data loading and gathering set "
+                    "up on it. Search without CP (drop --cp_size / --cp_schedule, e.g. at a shorter "
+                    "--sparse_max_length), then train the chosen settings under CP.")
+        model = super().call_model_init(trial)
+        self._configure_model(model, self.args)
+        if getattr(self, "parallel", None) is not None:  # train(): the plugin is attached to the previous model
+            self.model = model
+            self.parallel = attach_to_rebuilt_model(self, self.args.context_parallel_config(), self.args.cp_schedule)
+        return model
 
     @contextlib.contextmanager
     def _packing_kept_under_accelerates_cp(self, args: SparseArgumentsMixin) -> Iterator[None]:
@@ -417,7 +439,7 @@ class SparseTrainer(SparseTrainerMixin, Trainer):
     """A `Trainer` that trains with the plugin as `SparseTrainingArguments` say.
 
     Args:
-        model: a transformers causal LM (not `model_init`: the backend is configured on the model).
+        model: a transformers causal LM (or None with `model_init=`: each model it builds is configured alike).
         args: the `SparseTrainingArguments`.
         *rest, **kwargs: as for `Trainer` (train_dataset, data_collator, processing_class, callbacks, ...).
     """

@@ -116,7 +116,8 @@ def _evaluate(rank: int, world: int) -> dict:
             trainer.compute_metrics = None
             predicted = trainer.predict(rows)
         results[name] = {"metrics": metrics, "evaluated": evaluated, "predictions": predicted.predictions,
-                         "label_ids": predicted.label_ids, "predict_loss": predicted.metrics["test_loss"]}
+                         "label_ids": predicted.label_ids, "predict_loss": predicted.metrics["test_loss"],
+                         "predict_metrics": predicted.metrics}
     return results
 
 
@@ -141,6 +142,13 @@ def _check_evaluation(got: dict, reference: dict) -> None:
     np.testing.assert_allclose(got["predictions"], reference["predictions"], rtol=1e-9, atol=1e-9)
     assert np.array_equal(got["label_ids"], reference["label_ids"])
     assert got["predict_loss"] == pytest.approx(reference["predict_loss"], rel=1e-6)
+    # the steps and samples of the speed metrics: the reference's global batches (3 at 5 rows, 2 a batch, with one
+    # data-parallel rank; the Trainer's own count under CP 2 was 2, eval_steps_per_second halved)
+    for split, metrics in (("eval", "metrics"), ("test", "predict_metrics")):
+        for unit in ("steps", "samples"):
+            counts = [run[metrics][f"{split}_{unit}_per_second"] * run[metrics][f"{split}_runtime"]
+                      for run in (got, reference)]
+            assert counts[0] == pytest.approx(counts[1], rel=1e-2), (split, unit)
 
 
 @pytest.mark.parametrize("mode", MODES)

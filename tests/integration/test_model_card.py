@@ -392,7 +392,7 @@ def _python_blocks(card: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```$", card, re.MULTILINE | re.DOTALL)
 
 
-def test_the_card_of_a_lora_run_loads_the_adapter_as_it_says(tmp_path):
+def test_the_card_of_a_lora_run_loads_the_adapter_as_it_says(tmp_path, monkeypatch):
     """A LoRA run saves an adapter (adapter_config.json and its weights, no config.json): its card keeps the pattern
     itself, loads the adapter onto its base model (both quick-start snippets run as written, the second one with the
     trained pattern), loads the tokenizer saved beside it, and names no empty adapter base in its tags."""
@@ -439,6 +439,13 @@ def test_the_card_of_a_lora_run_loads_the_adapter_as_it_says(tmp_path):
         assert any(p.requires_grad for name, p in model.named_parameters() if "lora_" in name)
     finally:
         disable_sparse_attention(model)
+    # pushed, the card names the repo the Trainer created (without --hub_model_id: <user>/<output folder's name>),
+    # not the local folder; with a --hub_model_id never pushed to, the folder
+    monkeypatch.setattr(trainer, "hub_model_id", "someone/adapter", raising=False)
+    assert 'PeftModel.from_pretrained(base, "someone/adapter")' in write_sparse_model_card(trainer).read_text()
+    monkeypatch.setattr(trainer, "hub_model_id", None)
+    monkeypatch.setattr(trainer.args, "hub_model_id", "someone/never-pushed")
+    assert f'PeftModel.from_pretrained(base, "{out}")' in write_sparse_model_card(trainer).read_text()
     # a Hub base model is named by the adapter tag, as by base_model
     card = write_sparse_model_card(trainer, base_model="Qwen/Qwen2.5-0.5B").read_text()
     assert "base_model:adapter:Qwen/Qwen2.5-0.5B" in _front_matter(card)["tags"]

@@ -103,6 +103,18 @@ def test_the_start_up_line_says_which_layers_are_sparse_and_warns_when_none_is(t
             in _start_up_line(caplog, tmp_path, *PATTERN, "--sparse_dense_first_layers", "2"))
 
 
+def test_the_start_up_report_of_a_cp_schedule_says_each_stage(tmp_path, caplog):
+    """One line per stage: from which step, its length, its CP layout and how the layers attend at that length with
+    its pattern (the first stage's alone was described, at the longest stage's length)."""
+    text = _start_up_line(caplog, tmp_path, *PATTERN, "--sparse_min_seq_len", "200", "--cp_schedule",
+                          "0:128:1,2:256:1:dense_first_layers=0")
+    assert ("sparse_cp: cp_schedule 0:128:1,2:256:1:dense_first_layers=0 (FROM:SEQ_LEN:CP_SIZE); fused ops: "
+            "off (stock PyTorch around attention); 2 stages:\n"
+            "  stage 0 from step 0: 128 tokens, no CP, DP 1; every layer dense (no document reaches "
+            "min_seq_len=200).\n"
+            "  stage 1 from step 2: 256 tokens, no CP, DP 1; 2 of 2 layers vertical-slash (block 32).") in text
+
+
 def test_the_automatic_gradient_checkpointing_is_logged(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         trainer = SparseTrainer(model=_model(), args=_args(tmp_path, "--sparse_gradient_checkpointing_min_length",
@@ -151,6 +163,54 @@ def test_with_the_switch_cp2_equals_one_process(tmp_path):
     one.train()
     for losses in run_gloo(_cp2_losses, 2, str(tmp_path / "cp2"), timeout_s=300):
         assert losses == pytest.approx(_losses(one), rel=1e-4)
+
+
+def _model_init_run(out, *flags) -> tuple[SparseTrainer, list]:
+    """A SparseTrainer built with `model_init` (the Trainer calls it in __init__ and again at train()), trained;
+    and the models it built."""
+    built = []
+
+    def model_init():
+        built.append(_model())
+        return built[-1]
+
+    trainer = SparseTrainer(model_init=model_init, args=_args(out, *PATTERN, *flags), train_dataset=_rows(250))
+    trainer.train()
+    return trainer, built
+
+
+def test_model_init_trains_as_the_model_given(tmp_path):
+    """Each model `model_init` builds is switched to the sparse backend with the run's pattern, the one train()
+    builds included: the run is the one with the model given (a sparse one: the kept fraction below 1)."""
+    given = SparseTrainer(model=_model(), args=_args(tmp_path / "given", *PATTERN), train_dataset=_rows(250))
+    given.train()
+    trainer, built = _model_init_run(tmp_path / "init")
+    assert len(built) == 2 and trainer.model is built[1]
+    assert all(m.config._attn_implementation == "sparse_cp" for m in built)
+    assert _losses(trainer) == _losses(given)
+    assert max(log["sparse/kept_fraction"] for log in trainer.state.log_history if "loss" in log) < 1.0
+
+
+def _cp2_model_init(rank: int, world: int, out: str) -> tuple[list[float], str]:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    trainer, _ = _model_init_run(out, "--cp_size", "2", *NEFTUNE)
+    with pytest.raises(ValueError) as refused:  # (a search's trial builds the accelerator anew)
+        trainer.call_model_init({"learning_rate": 1e-2})
+    return _losses(trainer), str(refused.value)
+
+
+# (CP draws NEFTune's noise in a hook on the model's embeddings: on the model train() builds, else it trains without)
+NEFTUNE = ("--neftune_noise_alpha", "5")
+
+
+def test_model_init_under_cp2_equals_one_process(tmp_path):
+    """train() rebuilds the model: context parallelism is set up again on it, and a hyperparameter search's trial
+    under CP is refused, naming the fix (one process's model_init draws the noise after building the model, a draw
+    the run with the model given does not take)."""
+    one, _ = _model_init_run(tmp_path / "one", *NEFTUNE)
+    for losses, refusal in run_gloo(_cp2_model_init, 2, str(tmp_path / "cp2"), timeout_s=300):
+        assert losses == pytest.approx(_losses(one), rel=1e-4)
+        assert "hyperparameter_search under context parallelism" in refusal and "Search without CP" in refusal
 
 
 SCRIPT = textwrap.dedent("""
