@@ -154,6 +154,9 @@ PATCHES = (
           "take the same samples, drew different random numbers in their workers (a dataset's random crops): the CP "
           "data loader (under accelerate's own CP group too) seeds them by the data-parallel rank (`seed_workers_by`)",
           parameters=("worker_id", "num_workers", "rank")),
+    Patch("transformers.modelcard", "TASK_MAPPING", "reads", "the Trainer's model card infers its task from the "
+          "model class's name, which FSDP2 renames (FSDPLlamaForCausalLM): the plugin's card writer gives the stock "
+          "one the task of the class FSDP2 derived from (`card_tasks`), found in this table as the stock card does"),
     Patch("transformers.trainer_pt_utils.LabelSmoother", "__call__", "calls", "the CP label smoothing wrapper calls "
           "the stock smoother on a rank's shard", parameters=("self", "model_output", "labels", "shift_labels",
                                                                "num_items_in_batch")),
@@ -617,6 +620,18 @@ def cp_row_score_losses() -> tuple[Callable, ...]:
     return (trl.RewardTrainer.compute_loss,) if trl is not None else ()
 
 
+def unsharded_class(model: Any) -> type:
+    """The class `model` was built as: FSDP2's `fully_shard` replaces a module's class with one it derives from it,
+    named FSDP<name> (FSDPLlamaForCausalLM; Replicate<name> for `replicate`), which upstream checks of the class's
+    name (`smoother_shifts_labels`, `card_tasks`) do not know; a module not sharded keeps its own class."""
+    cls = type(model)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # (a torch build without distributed: no FSDP2 class to look past)
+        return cls
+    return next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+
+
 def smoother_shifts_labels(model: Any) -> bool:
     """Whether the Trainer's compute_loss has its label smoother shift the labels of `model` (the Trainer's model):
     its class, a PEFT model's base model's, is one of transformers' causal LMs. The Trainer asks by the class's name,
@@ -626,14 +641,24 @@ def smoother_shifts_labels(model: Any) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     base = getattr(model, "get_base_model", None)
-    cls = type(base() if callable(base) else model)
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # (a torch build without distributed: no FSDP2 class to look past)
-        FSDPModule = None  # noqa: N806
-    if FSDPModule is not None:
-        cls = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
-    return cls.__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    return unsharded_class(base() if callable(base) else model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
+def card_tasks(model: Any) -> str | None:
+    """The task tag (e.g. 'text-generation') that the Trainer's model card infers from the class of `model` (the
+    Trainer's model) when none is given, or None. The card (`transformers.modelcard.TrainingSummary.from_trainer`)
+    looks the class's name up in `TASK_MAPPING`, which misses a class FSDP2 renamed (FSDPLlamaForCausalLM): the card
+    of a run under FSDP2 had no task, and with it dropped the model-index results (task, dataset, metrics) that one
+    process's card holds. This looks up the name of the class `fully_shard` derived from (the last task that names
+    it, as the card does)."""
+    from transformers.modelcard import TASK_MAPPING
+
+    name, found = unsharded_class(model).__name__, None
+    for task, mapping in TASK_MAPPING.items():
+        names = [n for value in mapping.values() for n in (value if isinstance(value, (list, tuple)) else (value,))]
+        if name in names:
+            found = task
+    return found
 
 
 def argument_parser_classes() -> list[type]:

@@ -43,6 +43,7 @@ from transformers import DataCollatorWithFlattening, Trainer
 from ..backends import PLOT_EXTRA
 from ..config import SparseAttentionConfig
 from ..distributed import ParallelDims
+from ..integration import compat
 from ..integration.given import require_trainer
 from ..integration.stats import PEAK_MEMORY, TOKENS_PER_SECOND
 from ..smet import SMETConfig, unwrap_smet
@@ -611,6 +612,17 @@ def _accepted(create_card: Callable[..., Any], kwargs: dict[str, Any]) -> dict[s
     return {name: value for name, value in kwargs.items() if name in parameters}
 
 
+def _with_task(trainer: Trainer, create_card: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with the task of the model's class (`compat.card_tasks`) where the card writer takes `tasks`, none is
+    given and FSDP2 renamed the class, whose name the stock card infers the task from (else it drops the card's
+    model-index results)."""
+    model = trainer.model
+    if (kwargs.get("tasks") is not None or "tasks" not in inspect.signature(create_card).parameters
+            or compat.unsharded_class(model) is type(model)):
+        return kwargs
+    return {**kwargs, "tasks": compat.card_tasks(model)}
+
+
 def write_sparse_model_card(
     trainer: Trainer,
     *,
@@ -650,7 +662,7 @@ def write_sparse_model_card(
     """
     require_trainer(trainer, "write_sparse_model_card(trainer, ...)")
     create_card = functools.partial(Trainer.create_model_card, trainer) if create_card is None else create_card
-    create_card(**_accepted(create_card, create_model_card_kwargs))
+    create_card(**_accepted(create_card, _with_task(trainer, create_card, create_model_card_kwargs)))
     if not trainer.is_world_process_zero():
         return None
     output_dir = Path(trainer.args.output_dir)
