@@ -428,11 +428,26 @@ class SparseTrainerMixin:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The Trainer's `save_model`; saving the final model into `output_dir` also writes its card there (a stock
-        script that saves without pushing, TRL's included, gets one), checkpoints do not."""
+        script that saves without pushing, TRL's included, gets one), checkpoints do not. A save of the user's under
+        FSDP2 with a sharded `fsdp_config.state_dict_type` writes the whole model, where the Trainer writes nothing
+        (it saves a model under FSDP only with FULL_STATE_DICT; the sharded type stays the checkpoints')."""
         super().save_model(output_dir, _internal_call)
+        if not _internal_call and _sharded_fsdp2_saves_nothing(self):
+            # (every rank: the state dict's gather is collective; the main process writes it)
+            state_dict = self.accelerator.get_state_dict(self.model)
+            if self.args.should_save:
+                self._save(output_dir or self.args.output_dir, state_dict=state_dict)
         final = output_dir is None or os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir)
         if final and not _internal_call:
             self.create_model_card()
+
+
+def _sharded_fsdp2_saves_nothing(trainer: Trainer) -> bool:
+    """Whether the Trainer's `save_model` wrote no model: FSDP2 with a state_dict_type other than FULL_STATE_DICT
+    (accelerate's `get_state_dict` gathers the whole model under FSDP2 whatever that type)."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
+    return (plugin is not None and getattr(trainer.accelerator, "is_fsdp2", False)
+            and "FULL_STATE_DICT" not in str(plugin.state_dict_type))
 
 
 class SparseTrainer(SparseTrainerMixin, Trainer):
