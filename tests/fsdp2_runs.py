@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from padding import pad_collate
 
 
 def rows() -> list[dict]:
@@ -20,18 +21,6 @@ def rows() -> list[dict]:
         labels[: 7 * i + 3] = -100
         out.append({"input_ids": ids, "labels": labels})
     return out
-
-
-def collate(batch: list[dict]) -> dict:
-    """Right-padded input_ids, labels and attention_mask."""
-    n = max(len(r["input_ids"]) for r in batch)
-
-    def padded(t, value):
-        return torch.nn.functional.pad(t, (0, n - len(t)), value=value)
-
-    return {"input_ids": torch.stack([padded(r["input_ids"], 0) for r in batch]),
-            "labels": torch.stack([padded(r["labels"], -100) for r in batch]),
-            "attention_mask": torch.stack([padded(torch.ones_like(r["input_ids"]), 0) for r in batch])}
 
 
 @contextmanager
@@ -56,7 +45,7 @@ def fsdp2_trainer(rank: int, world: int, cp: int, fsdp_config: dict | None = Non
             cp_size=cp, sparse_block_size=16, sparse_min_seq_len=64, sparse_vertical_topk=2, sparse_slash_topk=2,
             sparse_local_window=16, sparse_sink_tokens=4, **fsdp, **kwargs)
         yield SparseTrainer(model=model, args=args, train_dataset=data[:4], eval_dataset=data[4:],
-                            data_collator=collate)
+                            data_collator=pad_collate)
 
 
 def one_process_and_fsdp2(fn: Callable[[int, int, dict], dict]) -> tuple[dict, list[dict]]:

@@ -13,6 +13,7 @@ import tempfile
 
 import pytest
 import torch
+from padding import pad_collate
 
 # name -> (model type, average_tokens_across_devices)
 RUNS = {"mixtral": ("mixtral", True), "mixtral, own token counts": ("mixtral", False),
@@ -42,14 +43,6 @@ def _rows() -> list[dict]:
     return rows
 
 
-def _collate(rows: list[dict]) -> dict:
-    n = max(len(r["input_ids"]) for r in rows)
-    out = {key: torch.stack([torch.nn.functional.pad(r[key], (0, n - len(r[key])), value=pad) for r in rows])
-           for key, pad in (("input_ids", 0), ("labels", -100))}
-    out["attention_mask"] = torch.stack([(torch.arange(n) < len(r["input_ids"])).long() for r in rows])
-    return out
-
-
 def _train(rank: int, world: int) -> dict:
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
@@ -75,7 +68,7 @@ def _train(rank: int, world: int) -> dict:
                                      optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", logging_steps=1,
                                      average_tokens_across_devices=average)
             trainer = Trainer(model=model, args=args, train_dataset=_rows(), eval_dataset=_rows(),
-                              data_collator=_collate)
+                              data_collator=pad_collate)
             attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True),
                               ContextParallelConfig(cp_size=world) if world > 1 else None)
             trainer.train()

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from padding import pad_collate
 
 from oracle import rel_rms
 
@@ -40,18 +41,6 @@ def _rows(count: int) -> list[dict]:
         labels[: 13 * (i % 8) + 5] = -100
         rows.append({"input_ids": ids, "labels": labels})
     return rows
-
-
-def _collate(rows: list[dict], side: str = "right") -> dict:
-    """Pads the batch to its longest row on `side` (attention_mask, labels -100), as DataCollatorForLanguageModeling."""
-    n = max(len(r["input_ids"]) for r in rows)
-
-    def padded(t, value):
-        return torch.nn.functional.pad(t, (0, n - len(t)) if side == "right" else (n - len(t), 0), value=value)
-
-    return {"input_ids": torch.stack([padded(r["input_ids"], 0) for r in rows]),
-            "labels": torch.stack([padded(r["labels"], -100) for r in rows]),
-            "attention_mask": torch.stack([padded(torch.ones_like(r["input_ids"]), 0) for r in rows])}
 
 
 def _accuracy(prediction, compute_result: bool, seen: dict) -> dict:
@@ -95,7 +84,7 @@ def _trained(world: int, cp_flags: dict, features: dict, out: str, resume: str |
 
     trainer = Trainer(
         model=model, args=args, train_dataset=rows[:16], eval_dataset=rows[16:], callbacks=[CountSteps()],
-        data_collator=lambda batch: _collate(batch, side),
+        data_collator=lambda batch: pad_collate(batch, side),
         compute_metrics=lambda prediction, compute_result=True: _accuracy(prediction, compute_result, seen),
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1))
     attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True),
