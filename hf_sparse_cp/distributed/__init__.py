@@ -3,7 +3,8 @@
 At the root, what every feature reads:
 * `cp_config.py`: `ContextParallelConfig` (the --cp_* flags) and `PlannerCosts` (the document planner's weights);
 * `mesh.py`: `ParallelDims`, the one object owning the parallel layout (sizes, groups, ring topology and head
-  groups, from accelerate or the flags), `quiesce_process_groups`;
+  groups, from accelerate or the flags), `quiesce_process_groups` and `settle_gloo_workers` (before a
+  teardown);
 * `shard.py`: `CPShard`, one rank's view of a batch split over its CP group (the backend's `cp_shard`);
 * `inputs.py`: `prepare_context_parallel_inputs`: a batch sharded as the layout's mode splits it, with its `CPShard`;
 * `comm.py`: `RingTopology` (flat and hierarchical rings), batched point-to-point transfers, collectives that
@@ -34,7 +35,7 @@ from .cp_config import CP_MODES, ContextParallelConfig
 from .heads.split import HeadSplit
 from .inputs import check_same_batch, prepare_context_parallel_inputs
 from .loss import global_mean_loss, global_num_items, rank_loss
-from .mesh import ParallelDims, check_launched, check_ring, check_sizes, quiesce_process_groups
+from .mesh import ParallelDims, check_launched, check_ring, check_sizes, quiesce_process_groups, settle_gloo_workers
 from .modes import CPAttention, CPMode, context_parallel_attention, cp_mode_named, cp_modes, register_cp_mode
 from .ring.attention import RingStats, ring_sparse_attention
 from .ring.estimation import estimate_layout_cp
@@ -70,6 +71,7 @@ __all__ = [
     "rank_loss",
     "register_cp_mode",
     "ring_sparse_attention",
+    "settle_gloo_workers",
     "shard_inputs",
     "shift_labels",
 ]

@@ -384,13 +384,23 @@ def quiesce_process_groups(settle_s: float = 0.1) -> None:
     """Call once a distributed run's last collective is done, before its process groups are torn
     down (`destroy_process_group`, garbage collection, interpreter exit). No-op without one.
 
-    A gloo worker thread that releases a finished collective's tensors takes the GIL while holding
-    its group's lock, so a group destroyed at that moment by a thread holding the GIL deadlocks with
-    it, and at interpreter exit the worker is killed instead (the evidence is in
-    benchmarks/results/README.md). A barrier completes every rank's earlier collectives; sleeping
-    `settle_s` without the GIL lets the workers finish releasing them.
+    A barrier completes every rank's earlier collectives; `settle_gloo_workers` then lets this
+    process's gloo workers finish releasing them (why: there).
     """
     if dist.is_available() and dist.is_initialized():
         with naming_unresponsive_ranks("the barrier before the process groups are torn down"):
             dist.barrier()
-        time.sleep(settle_s)
+        settle_gloo_workers(settle_s)
+
+
+def settle_gloo_workers(settle_s: float = 0.1) -> None:
+    """Pause `settle_s` without the GIL so this process's gloo workers finish releasing the collectives
+    they completed. Local (no collective): safe on one rank alone, before or after its groups are destroyed.
+
+    A gloo worker thread releases a completed collective's tensors after the caller's wait returned; a tensor
+    whose Python object went meanwhile is freed by the worker, which takes the GIL for it while holding its
+    group's lock. A group destroyed at that moment by a thread holding the GIL deadlocks with it, and once the
+    interpreter finalises, the worker's take of the GIL ends its thread, which C++ aborts ("terminate called
+    without an active exception"; the evidence is in benchmarks/results/README.md).
+    """
+    time.sleep(settle_s)

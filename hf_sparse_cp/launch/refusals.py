@@ -96,6 +96,9 @@ def end_refused(prog: str, error: BaseException) -> NoReturn:
         sys.stderr.flush()
     _mark_refused()
     if dist.is_available() and dist.is_initialized():
+        from ..distributed.mesh import settle_gloo_workers
+
+        settle_gloo_workers()  # (local: the other ranks may not come here)
         dist.destroy_process_group()
     sys.exit(REFUSED)
 

@@ -39,7 +39,7 @@ import torch
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE
-from ..distributed import quiesce_process_groups
+from ..distributed import quiesce_process_groups, settle_gloo_workers
 from ..integration import compat
 from ..integration.architectures import uses_every_parameter
 from ..integration.given import require_subclass
@@ -397,6 +397,12 @@ class SparseTrainerMixin:
         _tear_down_at_exit()  # only after a finished run: every rank then reaches the exit barrier
         return result
 
+    def end(self):
+        """The Trainer's `end` (TRL's scripts call it last), which destroys the process group, once the
+        collectives are settled (`quiesce_process_groups`); every rank calls it."""
+        quiesce_process_groups()
+        super().end()
+
     def evaluate(self, *args, **kwargs):
         self._attend_like_trained_model()
         return super().evaluate(*args, **kwargs)
@@ -477,11 +483,14 @@ def _sparse_trainer_class(base: type[Trainer]) -> type:
 
 @functools.cache
 def _tear_down_at_exit() -> None:
-    """At interpreter exit, end the process groups while the interpreter is whole (once per process)."""
+    """At interpreter exit, end the process groups while the interpreter is whole (once per process); where the
+    script destroyed them itself, still let the gloo workers finish before the interpreter finalises."""
 
     def tear_down() -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             quiesce_process_groups()
             torch.distributed.destroy_process_group()
+        else:
+            settle_gloo_workers()  # (a group the script still holds, a device mesh's, outlives the destroy)
 
     atexit.register(tear_down)

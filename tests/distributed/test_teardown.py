@@ -1,0 +1,64 @@
+"""The teardown of a distributed run's process groups: a gloo worker that frees a finished collective's tensors
+takes the GIL, so every path that destroys the groups or ends the interpreter first lets the workers finish (why:
+`settle_gloo_workers`). An exit that loses that race aborts rarely ("terminate called without an active
+exception", after TRL's sft.py under CP 2 called `trainer.end()`), so no test loops for it: these check that each
+path settles before the teardown."""
+
+from __future__ import annotations
+
+import types
+
+import torch.distributed as dist
+
+from hf_sparse_cp.launch import refusals
+from hf_sparse_cp.trainer import sparse_trainer
+from hf_sparse_cp.trainer.sparse_trainer import SparseTrainer
+
+
+def _recording(calls: list[str], name: str):
+    return lambda *args, **kwargs: calls.append(name)
+
+
+def test_trainer_end_settles_before_the_group_is_destroyed(monkeypatch):
+    """`Trainer.end()` (TRL's scripts call it last) destroys the process group through accelerate: the sparse
+    Trainer's quiesces first, as its exit handler does (before: the group went right after the last collective)."""
+    calls: list[str] = []
+    monkeypatch.setattr(sparse_trainer, "quiesce_process_groups", _recording(calls, "quiesce"))
+    trainer = object.__new__(SparseTrainer)  # (only `end` runs: it reads the accelerator alone)
+    trainer.accelerator = types.SimpleNamespace(end_training=_recording(calls, "destroy"))
+    trainer.end()
+    assert calls == ["quiesce", "destroy"]
+
+
+def test_exit_handler_settles_also_where_the_script_destroyed_the_group(monkeypatch):
+    """A script that destroyed the default group itself may hold another (a device mesh's), whose workers outlive
+    the destroy: the exit handler settles them before the interpreter finalises."""
+    calls: list[str] = []
+    handlers = []
+    monkeypatch.setattr(sparse_trainer, "settle_gloo_workers", _recording(calls, "settle"))
+    monkeypatch.setattr(sparse_trainer.atexit, "register", handlers.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    sparse_trainer._tear_down_at_exit.__wrapped__()
+    (handler,) = handlers
+    handler()
+    assert calls == ["settle"]
+
+
+def test_a_refusal_settles_before_it_destroys_the_group(monkeypatch, tmp_path):
+    """A refused rank ends alone (the others may not come): it settles its own workers, then destroys the group."""
+    from hf_sparse_cp.distributed import mesh
+
+    calls: list[str] = []
+    destroy = dist.destroy_process_group
+    monkeypatch.setattr(mesh, "settle_gloo_workers", _recording(calls, "settle"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: (calls.append("destroy"), destroy()))
+    monkeypatch.setenv(refusals.REPORTS_ENV, str(tmp_path))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        refusals.end_refused("prog", ValueError("refused"))
+    except SystemExit as exit_:
+        assert exit_.code == refusals.REFUSED
+    finally:
+        if dist.is_initialized():
+            destroy()
+    assert calls == ["settle", "destroy"]
