@@ -239,6 +239,21 @@ def liger_kernel_flag() -> Iterator:
         disable_sparse_attention(model)
 
 
+def unused_parameters() -> Iterator:
+    """An architecture that uses every parameter, built after the Trainer's accelerator (as `model_init`'s first):
+    the flag and the DDP settings the accelerator was built with skip DDP's search for unused parameters."""
+    from hf_sparse_cp import detach_from_trainer
+    from hf_sparse_cp.trainer.attach import skip_unused_parameter_search
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(model=AutoModelForCausalLM.from_config(tiny_config("llama")), args=_args(tmp))
+        handler = trainer.accelerator.ddp_handler
+        yield [(trainer.args, "ddp_find_unused_parameters"), (handler, "find_unused_parameters")]
+        skip_unused_parameter_search(trainer, trainer.model, trainer.args)
+        yield
+        detach_from_trainer(trainer)
+
+
 def capturing_layouts() -> Iterator:
     from hf_sparse_cp.attention import sequence
     from hf_sparse_cp.attention.dense import DENSE_BACKEND_ENV
@@ -331,6 +346,8 @@ ONE_PROCESS = {
     ("transformers.PretrainedConfig.sparse_attention", "transformers.TrainingArguments.gradient_checkpointing"):
         sparse_attention,
     ("transformers.TrainingArguments.use_liger_kernel",): liger_kernel_flag,
+    ("transformers.TrainingArguments.ddp_find_unused_parameters",
+     "accelerate.utils.DistributedDataParallelKwargs.find_unused_parameters"): unused_parameters,
     ("transformers.TrainingArguments.average_tokens_across_devices",
      "transformers.Trainer.current_gradient_accumulation_steps"): settings_during_a_call,
     ("transformers.Trainer.accelerator", *(f"trl.trainer.{trainer.lower()}_trainer.{name}" for trainer in GENERATING

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
@@ -240,7 +241,7 @@ class ParallelDims:
         if self.dp_size == 1:
             return None
         return _new_groups([[members[place] for members in self.cp_groups] for place in range(self.cp_size)],
-                           self.rank)
+                           self.rank, "dp")
 
     @classmethod
     def single(cls, sharding: str = "striped", mode=None) -> ParallelDims:
@@ -257,7 +258,8 @@ class ParallelDims:
 
         Call on every rank after `torch.distributed.init_process_group`: it creates the CP groups
         (consecutive ranks) and, for the hierarchical ring, the per-node and cross-node groups; with
-        head groups, the head groups and the rings across them.
+        head groups, the head groups and the rings across them (each once per default group: a layout
+        built again reuses them).
         """
         if not (dist.is_available() and dist.is_initialized()):
             if config.cp_size != 1:
@@ -315,7 +317,7 @@ class ParallelDims:
         mine = next(g for g in cp_groups if rank in g)
         # Every rank takes part in creating every group, in the same order (`_new_groups`).
         if cp_group is None and w > 1:
-            cp_group = _new_groups(cp_groups, rank)
+            cp_group = _new_groups(cp_groups, rank, "cp")
         created = [cp_group]
         common = dict(world_size=world, rank=rank, planner_costs=config.planner_costs(model_linear_per_token))
         head_group, ring = None, None
@@ -325,12 +327,13 @@ class ParallelDims:
         else:
             # head group o: positions o*h .. o*h + h - 1; ring i: positions i, i + h, ... (ascending global ranks,
             # the order of every group's collectives)
-            head_group = _new_groups([g[o * h : (o + 1) * h] for g in cp_groups for o in range(w // h)], rank)
+            head_group = _new_groups([g[o * h : (o + 1) * h] for g in cp_groups for o in range(w // h)], rank,
+                                     "head")
             created.append(head_group)
             topology, inner, outer, sharding = RingTopology(1, 1), None, None, "contiguous"
             if h < w:
                 rings = [g[i::h] for g in cp_groups for i in range(h)]
-                ring_group = _new_groups(rings, rank)
+                ring_group = _new_groups(rings, rank, "ring")
                 topology, inner, outer = _rings(rings, ring_group, config, env, rank, stride=h)
                 created.append(ring_group)
                 ring = cls(cp_ranks=tuple(next(r for r in rings if rank in r)), cp_group=ring_group,
@@ -348,15 +351,29 @@ class ParallelDims:
         return layout
 
 
-def _new_groups(members: list[list[int]], rank: int):
-    """Create a process group for every list of `members` (on every rank, in the same order), each with the
-    default group's timeout (`--ddp_timeout`), which torch does not pass on to new groups; returns this
-    rank's (None if it is in none)."""
+# The groups `_new_groups` created, by (role, ranks, timeout), under the default group they were created in (a weak
+# key: dropped with it at `destroy_process_group`, which shuts them down). A layout built again (a `model_init` model at
+# each train(), a curriculum's stages, another Trainer) reuses them: torch keeps every group until the default one goes,
+# so new ones would pile up (gloo's with their worker threads). Every rank asks for the same lists in the same order,
+# so every rank finds the same ones here and the `new_group` calls, collective over the default group, stay matched.
+# The role keeps a layout's groups apart as before where two roles hold the same ranks (a head group that fills the
+# CP group), so that their transfers can still be in flight together.
+_created: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _new_groups(members: list[list[int]], rank: int, role: str):
+    """A process group for every list of `members` (on every rank, in the same order), each with the default
+    group's timeout (`--ddp_timeout`), which torch does not pass on to new groups: created once per default group
+    and `role` (what the layout uses them for: "cp", "head", ...), then reused; returns this rank's (None if it is
+    in none)."""
     timeout, mine = group_timeout(), None
+    created = _created.setdefault(dist.group.WORLD, {})
     for ranks in members:
-        group = dist.new_group(ranks, timeout=timeout)
+        key = (role, tuple(ranks), timeout)
+        if key not in created:
+            created[key] = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
-            mine = group
+            mine = created[key]
     return mine
 
 
@@ -375,8 +392,8 @@ def _rings(rings: list[list[int]], group, config, env: Mapping[str, str], rank: 
                          "device mesh); use cp_ring='flat'.")
     topology = RingTopology(num_nodes, node_size)
     inner = _new_groups([r[node * node_size : (node + 1) * node_size] for r in rings for node in range(num_nodes)],
-                        rank)
-    outer = _new_groups([r[local::node_size] for r in rings for local in range(node_size)], rank)
+                        rank, "inner")
+    outer = _new_groups([r[local::node_size] for r in rings for local in range(node_size)], rank, "outer")
     return topology, inner, outer
 
 

@@ -302,6 +302,15 @@ PATCHES = (
           ("self", "input_data", "use_gather_object")),
     Patch(_ACCELERATOR, "_dataloaders", "reads", "a data loader prepared over the DP ranks only is registered "
           "for checkpointing", on_instances=True),
+    Patch("accelerate.utils.DistributedDataParallelKwargs", "find_unused_parameters", "sets", "a model built after "
+          "the Trainer's accelerator (model_init's first, a model TRL loads from its name) whose architecture uses "
+          "every parameter: DDP skips its search for unused ones after every backward, as with --ddp_find_unused_"
+          "parameters false, which the accelerator's DDP settings were built from before the model existed",
+          "detach_from_trainer(trainer)"),
+    Patch("transformers.TrainingArguments", "ddp_find_unused_parameters", "sets", "an architecture that uses every "
+          "parameter, with the flag unset: DDP skips its search for unused ones after every backward (the Trainer's "
+          "default without gradient checkpointing searches, and DDP warns at every run that it found none)",
+          "detach_from_trainer(trainer)"),
     Patch("accelerate.PartialState", "distributed_type", "sets", "--fsdp on CPU processes: accelerate's FSDP "
           "run type (process-wide, as accelerate's own set-up does)", "disable_cpu_fsdp2(trainer)", on_instances=True),
     Patch("accelerate.state.AcceleratorState", "distributed_type", "sets", "--fsdp on CPU processes: the "

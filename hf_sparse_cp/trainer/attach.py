@@ -28,6 +28,7 @@ from ..config.files import unread_fields_checked_by_caller
 from ..distributed import ContextParallelConfig, ParallelDims
 from ..distributed.comm import group_timeout, rank_and_world
 from ..integration import compat
+from ..integration.architectures import uses_every_parameter
 from ..integration.backend import forget_layer_state, model_config_for
 from ..integration.fused_ops import (
     describe_fused_ops,
@@ -64,6 +65,7 @@ _STEP_METRICS = "step_metrics"
 _CHECKPOINTS = "checkpoints"
 _DDP_TIMEOUT = "ddp_timeout"
 _PREPARED_AFTER_EVALUATION = "prepared_after_evaluation"
+_UNUSED_PARAMETERS = "unused_parameters"
 _SHIFTED_SMOOTHING = "shifted_smoothing"
 # A Trainer built by a script under `hf_sparse_cp.run` records its change of class under this name
 # (`hf_sparse_cp.launch.launched`).
@@ -347,6 +349,23 @@ def row_length_watch(trainer: Trainer, sparse_args: SparseCPArguments,
     return check
 
 
+def skip_unused_parameter_search(trainer: Trainer, model: Any, training_args: TrainingArguments) -> None:
+    """Where `model`'s architecture uses every parameter (`uses_every_parameter`) and `--ddp_find_unused_parameters` is
+    unset, set it to False: the Trainer's default without gradient checkpointing has DDP search the graph after every
+    backward, and warn at every run that it found nothing. Call it before the Trainer builds its accelerator from
+    `training_args`; for a model built after that (`model_init`'s first and a model TRL loads from its name, both in
+    the Trainer class's `__init__`) it sets the DDP settings the accelerator was built with too. Undone by
+    `detach_from_trainer`."""
+    config = getattr(model, "config", None)
+    if training_args.ddp_find_unused_parameters is not None or config is None or not uses_every_parameter(config):
+        return
+    patches = attached_patches(trainer, _UNUSED_PARAMETERS) or record_on(trainer, _UNUSED_PARAMETERS)
+    patches.set_attr(training_args, "ddp_find_unused_parameters", False, outside=True)
+    handler = getattr(getattr(trainer, "accelerator", None), "ddp_handler", None)
+    if handler is not None:
+        patches.set_attr(handler, "find_unused_parameters", False, outside=True)
+
+
 def prepare_for_training_after_evaluation(trainer: Trainer, patches: PatchSet) -> None:
     """Make `train()` after `evaluate()` (or `predict()`) wrap the model for training as a run that trains first does.
 
@@ -498,7 +517,8 @@ def attach_to_rebuilt_model(trainer: Trainer, cp_config: ContextParallelConfig |
     """Set context parallelism (or the `cp_schedule` curriculum) up again on `trainer.model`, rebuilt by the
     Trainer's `model_init` at `train()` after `attach_to_trainer` (the same `cp_config` and `cp_schedule`): the hooks
     they put on the model, its sparse pattern and the stages' patterns belong to the model they were set up on.
-    Returns the `ParallelDims` in use (with a schedule, the first stage's); their process groups are built anew."""
+    Returns the `ParallelDims` in use (with a schedule, the first stage's), on the process groups built before for
+    the same ranks."""
     require_trainer(trainer, "attach_to_rebuilt_model(trainer, ...)")
     if cp_schedule is not None:
         disable_curriculum(trainer)
@@ -521,5 +541,6 @@ def detach_from_trainer(trainer: Trainer) -> None:
     undo_recorded(trainer, _STEP_METRICS)
     undo_recorded(trainer, _DDP_TIMEOUT)
     undo_recorded(trainer, _PREPARED_AFTER_EVALUATION)
+    undo_recorded(trainer, _UNUSED_PARAMETERS)
     disable_cpu_fsdp2(trainer)
     undo_recorded(trainer, LAUNCHED)

@@ -41,14 +41,19 @@ from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE
 from ..distributed import quiesce_process_groups, settle_gloo_workers
 from ..integration import compat
-from ..integration.architectures import uses_every_parameter
 from ..integration.given import require_subclass
 from ..integration.patching import PatchSet
 from ..reporting.model_card import write_sparse_model_card
 from .arguments import (
     flag_errors,
 )
-from .attach import attach_to_rebuilt_model, attach_to_trainer, enable_sparse_attention, training_fused_ops
+from .attach import (
+    attach_to_rebuilt_model,
+    attach_to_trainer,
+    enable_sparse_attention,
+    skip_unused_parameter_search,
+    training_fused_ops,
+)
 from .callbacks import StepMetricsCallback
 from .context_parallel import check_training_arguments
 from .cpu_fsdp import check_cpu_fsdp_version, disable_cpu_fsdp2, enable_cpu_fsdp2
@@ -306,11 +311,7 @@ class SparseTrainerMixin:
         loaded_here = isinstance(model, str)  # (TRL loads a model named by its Hub id in its own __init__)
         if model is not None and not loaded_here:  # (None: `model_init`'s, configured in `call_model_init`)
             self._configure_model(model, args)
-        config = getattr(model, "config", None)
-        if args.ddp_find_unused_parameters is None and config is not None and uses_every_parameter(config):
-            # (the Trainer's default without gradient checkpointing searches the graph after every backward, and
-            # DDP warns at every run that it found nothing)
-            args.ddp_find_unused_parameters = False
+        skip_unused_parameter_search(self, model, args)  # (model_init's model: in `call_model_init`)
         with self._packing_kept_under_accelerates_cp(args):
             if rest:  # (positional as the caller gave them)
                 trainer_init(model, args, *rest, **kwargs)
@@ -319,6 +320,7 @@ class SparseTrainerMixin:
         if loaded_here:
             self._packed_documents = _packs_documents(self.data_collator, args)
             self._configure_model(self.model, args)
+            skip_unused_parameter_search(self, self.model, args)
         self.parallel = attach_to_trainer(self, args.plugin_arguments(), args.context_parallel_config(),
                                           max_length=self.max_length, cp_schedule=args.cp_schedule)
         smet = args.smet_optimizer_config()
@@ -343,10 +345,10 @@ class SparseTrainerMixin:
     def call_model_init(self, trial=None) -> torch.nn.Module:
         """The Trainer's `call_model_init`, which builds the model from `model_init` in `__init__` and again at every
         `train()` (a hyperparameter search's trial, a reproducible re-initialisation): each model it returns is
-        configured as a model given directly is (`_configure_model`), and at `train()` context parallelism and a
-        `--cp_schedule` are set up again on the new model (`attach.attach_to_rebuilt_model`). A hyperparameter search
-        under CP is refused, naming the fix: each trial builds the Trainer's accelerator anew, which CP's data loading
-        and gathering are set up on."""
+        configured as a model given directly is (`_configure_model`, `skip_unused_parameter_search`), and at `train()`
+        context parallelism and a `--cp_schedule` are set up again on the new model (`attach.attach_to_rebuilt_model`),
+        on the process groups of the first. A hyperparameter search under CP is refused, naming the fix: each trial
+        builds the Trainer's accelerator anew, which CP's data loading and gathering are set up on."""
         if trial is not None and max(d for _, d in self.args.cp_degrees()) > 1:
             with flag_errors():
                 raise ValueError(
@@ -356,6 +358,7 @@ class SparseTrainerMixin:
                     "--sparse_max_length), then train the chosen settings under CP.")
         model = super().call_model_init(trial)
         self._configure_model(model, self.args)
+        skip_unused_parameter_search(self, model, self.args)  # (the first model comes after the accelerator)
         if getattr(self, "parallel", None) is not None:  # train(): the plugin is attached to the previous model
             self.model = model
             self.parallel = attach_to_rebuilt_model(self, self.args.context_parallel_config(), self.args.cp_schedule)

@@ -181,22 +181,33 @@ def _model_init_run(out, *flags) -> tuple[SparseTrainer, list]:
 
 def test_model_init_trains_as_the_model_given(tmp_path):
     """Each model `model_init` builds is switched to the sparse backend with the run's pattern, the one train()
-    builds included: the run is the one with the model given (a sparse one: the kept fraction below 1)."""
+    builds included: the run is the one with the model given (a sparse one: the kept fraction below 1). DDP is told
+    that every parameter is used, as for the model given (before: the accelerator, built before the first model, kept
+    the Trainer's default, a search for unused parameters after every backward)."""
     given = SparseTrainer(model=_model(), args=_args(tmp_path / "given", *PATTERN), train_dataset=_rows(250))
     given.train()
     trainer, built = _model_init_run(tmp_path / "init")
     assert len(built) == 2 and trainer.model is built[1]
     assert all(m.config._attn_implementation == "sparse_cp" for m in built)
+    assert trainer.args.ddp_find_unused_parameters is False  # (a dense llama uses every parameter)
+    assert trainer.accelerator.ddp_handler.find_unused_parameters is False
     assert _losses(trainer) == _losses(given)
     assert max(log["sparse/kept_fraction"] for log in trainer.state.log_history if "loss" in log) < 1.0
 
 
-def _cp2_model_init(rank: int, world: int, out: str) -> tuple[list[float], str]:
+def _cp2_model_init(rank: int, world: int, out: str) -> tuple[list[float], list[float], int, bool, str]:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     trainer, _ = _model_init_run(out, "--cp_size", "2", *NEFTUNE)
+    first, group = _losses(trainer), trainer.parallel.cp_group
+    created, new_group = [], torch.distributed.new_group
+    torch.distributed.new_group = lambda *args, **kwargs: created.append(new_group(*args, **kwargs)) or created[-1]
+    try:  # train() again: the rebuilt model's CP set-up reuses the groups of the first
+        trainer.train()
+    finally:
+        torch.distributed.new_group = new_group
     with pytest.raises(ValueError) as refused:  # (a search's trial builds the accelerator anew)
         trainer.call_model_init({"learning_rate": 1e-2})
-    return _losses(trainer), str(refused.value)
+    return first, _losses(trainer), len(created), trainer.parallel.cp_group is group, str(refused.value)
 
 
 # (CP draws NEFTune's noise in a hook on the model's embeddings: on the model train() builds, else it trains without)
@@ -204,12 +215,15 @@ NEFTUNE = ("--neftune_noise_alpha", "5")
 
 
 def test_model_init_under_cp2_equals_one_process(tmp_path):
-    """train() rebuilds the model: context parallelism is set up again on it, and a hyperparameter search's trial
-    under CP is refused, naming the fix (one process's model_init draws the noise after building the model, a draw
-    the run with the model given does not take)."""
+    """train() rebuilds the model: context parallelism is set up again on it, on the process groups of the first
+    train() (before: new ones at each train(), never destroyed), and a hyperparameter search's trial under CP is
+    refused, naming the fix (one process's model_init draws the noise after building the model, a draw the run with
+    the model given does not take)."""
     one, _ = _model_init_run(tmp_path / "one", *NEFTUNE)
-    for losses, refusal in run_gloo(_cp2_model_init, 2, str(tmp_path / "cp2"), timeout_s=300):
-        assert losses == pytest.approx(_losses(one), rel=1e-4)
+    for first, second, created, same_group, refusal in run_gloo(_cp2_model_init, 2, str(tmp_path / "cp2"),
+                                                                timeout_s=300):
+        assert first == pytest.approx(_losses(one), rel=1e-4) and second == pytest.approx(_losses(one), rel=1e-4)
+        assert created == 0 and same_group
         assert "hyperparameter_search under context parallelism" in refusal and "Search without CP" in refusal
 
 
@@ -311,6 +325,7 @@ def test_every_training_log_has_tokens_per_second_and_peak_memory(tmp_path):
              "attention_mask": torch.arange(256) < (256 if i % 2 else 192)} for i, r in enumerate(_rows())]
     trainer = SparseTrainer(model=_model(), args=_args(tmp_path, *PATTERN), train_dataset=rows)
     assert trainer.args.ddp_find_unused_parameters is False  # (a dense llama uses every parameter)
+    assert trainer.accelerator.ddp_handler.find_unused_parameters is False
     trainer.train()
     logs = [log for log in trainer.state.log_history if "loss" in log]
     assert len(logs) == 3 and all(log["tokens_per_second"] > 0 and log["peak_memory_gib"] > 0 for log in logs)
