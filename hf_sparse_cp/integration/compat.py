@@ -288,7 +288,8 @@ PATCHES = (
           "loader shards over the data-parallel ranks only (accelerate's settings are read from the "
           "accelerator, see `dp_data_loader_options`), under accelerate's own CP group too, whose loader dispatches an "
           "iterable dataset's batches over all processes; its collate_fn checks the token ids on the host "
-          "(`trainer.token_ids`: an id past the vocabulary failed on one CP rank while the others waited)", _CP_UNDO,
+          "(`trainer.token_ids`: an id past the vocabulary failed on one CP rank while the others waited), and its "
+          "shard of an iterable dataset counts the rows it reads (`stream_rows.count_stream`)", _CP_UNDO,
           ("self", "data_loader", "device_placement", "slice_fn_for_dispatch")),
     Patch(_ACCELERATOR, "prepare_model", "replaces", "a model the Trainer prepared for evaluation only (evaluate() "
           "before train(): accelerate marks it prepared, unwrapped) is prepared again for training, so that DDP wraps "
@@ -311,6 +312,11 @@ PATCHES = (
           "parameter, with the flag unset: DDP skips its search for unused ones after every backward (the Trainer's "
           "default without gradient checkpointing searches, and DDP warns at every run that it found none)",
           "detach_from_trainer(trainer)"),
+    Patch("accelerate.data_loader.IterableDatasetShard", "dataset", "reads", "the shard of an iterable dataset in a "
+          "DP-only data loader (built by the plugin) completes its last global batch with copies of its first rows, "
+          "and the loader has no length: the shard is given its dataset through a counter "
+          "(`stream_rows.count_stream`), so that the evaluation loop's last step drops the copies (its batch_size, "
+          "num_processes, process_index, split_batches and drop_last are read too)", on_instances=True),
     Patch("accelerate.PartialState", "distributed_type", "sets", "--fsdp on CPU processes: accelerate's FSDP "
           "run type (process-wide, as accelerate's own set-up does)", "disable_cpu_fsdp2(trainer)", on_instances=True),
     Patch("accelerate.state.AcceleratorState", "distributed_type", "sets", "--fsdp on CPU processes: the "

@@ -69,6 +69,7 @@ from .arguments import flag_errors
 from .callbacks import EvaluationStepsCallback
 from .generated_rows import check_generating_trainer, share_generation_batches
 from .router_loss import loss_share, model_loss_share, router_loss_over_cp_group
+from .stream_rows import count_stream, rank_stream_rows, stream_rows
 from .token_ids import CheckedCollate, vocabulary_of
 from .whole_rows import check_whole_row_trainer, hook_whole_row_forwards, whole_sequence_outputs
 
@@ -129,6 +130,7 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
         loader.worker_init_fn = compat.seed_workers_by(loader.worker_init_fn, parallel.dp_rank)
         loader.collate_fn = CheckedCollate(loader.collate_fn, vocabulary, towers)
         compat.track_data_loader(acc, prepared)
+        count_stream(prepared)
         return prepared
 
     return prepare
@@ -588,6 +590,8 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     in_step = [False]  # (`_gather_metrics_once_per_cp_group`: what a step gathers is its shard's)
     predicting = [False]
     rows = [None]  # the rows of the last step's batch (`_gather_metrics_once_per_cp_group`)
+    # the last prediction step's loader and the stream's rows of its global batch, where it holds copies (same)
+    stream_last: list[tuple[Any, int] | None] = [None]
     shard: list[CPShard | None] = [None]  # the step's batch's (None: the batch ran unsharded)
     whole_rows = type(trainer).compute_loss in compat.cp_whole_row_losses()
     # (GRPO's and RLOO's rows are generated in the step, unsharded on each CP group's first rank: those forwards are
@@ -622,7 +626,7 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     noise = neftune_over_cp_group(trainer, patches)
 
     def step(model, inputs, *rest, **kwargs):
-        rows[0] = find_batch_size(inputs)
+        rows[0], stream_last[0] = find_batch_size(inputs), None
         with stepping(False):
             if noise is not None:
                 noise.on = True
@@ -668,8 +672,7 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
             return result
         return (result[0] * share, result[1]) if return_outputs else result * share
 
-    def predict(model, inputs, *rest, **kwargs):
-        rows[0] = find_batch_size(inputs)
+    def predict_batch(model, inputs, *rest, **kwargs):
         with stepping(True):
             loss, *outputs = prediction_step(model, inputs, *rest, **kwargs)
             # (a batch without labels runs unsharded in the stock step: each rank computes the whole sequence)
@@ -680,6 +683,23 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
                 outputs[0] = (*logits[:batch_outputs], *whole_sequence_outputs(logits[batch_outputs:], shard[0]))
         return (_cp_group_mean(loss, parallel()), *outputs)
 
+    def predict(model, inputs, *rest, **kwargs):
+        rows[0] = find_batch_size(inputs)
+        state = trainer.accelerator.gradient_state
+        real = rank_stream_rows(state.active_dataloader) if state.end_of_dataloader else None
+        stream_last[0] = None if real is None else (state.active_dataloader, stream_rows(state.active_dataloader))
+        if real is None:
+            return predict_batch(model, inputs, *rest, **kwargs)
+        # the last global batch of an iterable set ends with copies of its first rows (`stream_rows.py`), which the
+        # gather drops: a rank's loss is its stream rows' alone, as one process's short last batch, over its own
+        # token count (not the ranks' total, which counted the copies); its outputs keep the batch's rows, to gather
+        # alike
+        with temporarily(trainer.args, "average_tokens_across_devices", False):
+            if real == 0:
+                return predict_batch(model, inputs, *rest, **kwargs)
+            loss, *outputs = predict_batch(model, _first_rows(inputs, rows[0], real), *rest, **kwargs)
+        return (loss, *(_as_rows(x, real, rows[0]) for x in outputs))
+
     patches.set_attr(trainer, compat.TRAINER_CP_INPUTS, prepare_inputs)
     patches.set_attr(trainer, "training_step", step)
     patches.set_attr(trainer, "prediction_step", predict)
@@ -688,11 +708,28 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     smooth_labels_over_cp_group(trainer, patches, parallel)
     # (what a whole-row trainer's step gathers is already the batch's)
     _gather_metrics_once_per_cp_group(trainer, patches, parallel, lambda: in_step[0] and not whole_rows,
-                                      lambda: rows[0])
+                                      lambda: rows[0], lambda: stream_last[0])
+
+
+def _first_rows(inputs: dict[str, Any], rows: int, keep: int) -> dict[str, Any]:
+    """The batch's first `keep` of its `rows` rows: each tensor with `rows` rows cut, the rest as given."""
+    return {k: v[:keep] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows else v
+            for k, v in inputs.items()}
+
+
+def _as_rows(output, real: int, rows: int):
+    """A prediction step's output for `real` rows given `rows` rows (its last repeated), so that the ranks' outputs
+    gather alike; tuples of them alike."""
+    if isinstance(output, torch.Tensor) and output.dim() and output.shape[0] == real:
+        return torch.cat([output, output[-1:].expand(rows - real, *output.shape[1:])])
+    if isinstance(output, tuple | list):
+        return type(output)(_as_rows(x, real, rows) for x in output)
+    return output
 
 
 def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims],
-                                      in_step: Callable[[], bool], batch_rows: Callable[[], int | None]) -> None:
+                                      in_step: Callable[[], bool], batch_rows: Callable[[], int | None],
+                                      stream_last: Callable[[], tuple[Any, int] | None]) -> None:
     """Make `gather_for_metrics` (the evaluation loop's gather of losses) keep each CP group's values once.
 
     Every rank of a CP group evaluates the same batch, so accelerate's gather over all processes holds each value
@@ -702,12 +739,13 @@ def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Calla
     as accelerate does; a loader without a length (an iterable evaluation set: `run_clm.py --streaming`, which
     accelerate dispatches from rank 0 without CP, knowing the remainder) knows none, so the last batch's rows are
     those the last step took (`batch_rows()`; the evaluation loop repeats a batch's loss per_device_eval_batch_size
-    times: a short last batch's row counted twice). What a training or prediction step gathers (`in_step()`) is
-    computed from each rank's own shard (TRL's sums of token entropy, correct top-1 tokens and label tokens, its MoE
-    auxiliary loss, which it averages): the wrapper keeps every rank's, grouped by sample over the CP group (each
-    sample's cp_size shard values together), and truncates a short last batch by whole samples, so that a sum over
-    them is the batch's and a mean the mean over its shards (the stock truncation kept the first rank's shard
-    alone)."""
+    times: a short last batch's row counted twice), or, with several data-parallel ranks, those of the stream that
+    the shard counted (`stream_last()`: the loader whose last global batch holds copies of the first rows, and the
+    number). What a training or prediction step gathers (`in_step()`) is computed from each rank's own shard (TRL's
+    sums of token entropy, correct top-1 tokens and label tokens, its MoE auxiliary loss, which it averages): the
+    wrapper keeps every rank's, grouped by sample over the CP group (each sample's cp_size shard values together), and
+    truncates a short last batch by whole samples, so that a sum over them is the batch's and a mean the mean over its
+    shards (the stock truncation kept the first rank's shard alone)."""
     from accelerate.utils import gather_object, recursively_apply
 
     acc = trainer.accelerator
@@ -726,10 +764,13 @@ def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Calla
             return gather_for_metrics(input_data, use_gather_object=use_gather_object)
         state = acc.gradient_state
         cut = state.remainder if state.end_of_dataloader and state.remainder > 0 else None
-        if state.end_of_dataloader and state.remainder < 0 and batch_rows() is not None:
-            # (with several data-parallel ranks, accelerate's shard of an iterable set fills each rank's last batch
-            # from its first: it holds no fewer rows)
-            cut = batch_rows() * par.dp_size
+        loader, stream = stream_last() or (None, None)
+        if state.end_of_dataloader and loader is not None and loader is state.active_dataloader:
+            # (with several data-parallel ranks, accelerate's shard of an iterable set completes the last global batch
+            # with copies of its first rows, whose values the prediction step kept alike: `stream_rows.py`)
+            cut = stream
+        elif state.end_of_dataloader and state.remainder < 0 and batch_rows() is not None:
+            cut = batch_rows() * par.dp_size  # (DP 1's short last batch; an uncounted shard's copies kept)
         if use_gather_object or not all_tensors:
             data = gather_object(input_data)
             n = len(data) // par.world_size

@@ -8,6 +8,7 @@ import inspect
 import pytest
 import torch
 from accelerate import Accelerator, PartialState
+from accelerate.data_loader import IterableDatasetShard
 from accelerate.state import AcceleratorState
 from torch._library.fake_impl import FakeImplCtx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -44,6 +45,7 @@ def _instances(tmp_path) -> dict:
             **{f"trl.{name}Trainer": _generating_trainer(tmp_path, name) for name in compat.GENERATING},
             "transformers.trainer_callback.CallbackHandler": trainer.callback_handler,
             "accelerate.PartialState": PartialState(), "accelerate.state.AcceleratorState": AcceleratorState(),
+            "accelerate.data_loader.IterableDatasetShard": IterableDatasetShard(range(0)),
             # (what `torch.library.get_ctx()` gives a fake implementation: the plan op's, integration/compiled.py)
             "torch._library.fake_impl.FakeImplCtx": FakeImplCtx(FakeTensorMode(shape_env=ShapeEnv()), None)}
 
