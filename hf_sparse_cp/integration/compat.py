@@ -288,8 +288,11 @@ PATCHES = (
           "loader shards over the data-parallel ranks only (accelerate's settings are read from the "
           "accelerator, see `dp_data_loader_options`), under accelerate's own CP group too, whose loader dispatches an "
           "iterable dataset's batches over all processes; its collate_fn checks the token ids on the host "
-          "(`trainer.token_ids`: an id past the vocabulary failed on one CP rank while the others waited), and its "
-          "shard of an iterable dataset counts the rows it reads (`stream_rows.count_stream`)", _CP_UNDO,
+          "(`trainer.token_ids`: an id past the vocabulary failed on one CP rank while the others waited), its shard "
+          "of an iterable dataset counts the rows it reads (`stream_rows.count_stream`), and a 🤗 datasets stream of "
+          "as many files as DP ranks, which it would split file by file, is read whole by each rank "
+          "(`read_whole_stream`)",
+          _CP_UNDO,
           ("self", "data_loader", "device_placement", "slice_fn_for_dispatch")),
     Patch(_ACCELERATOR, "prepare_model", "replaces", "a model the Trainer prepared for evaluation only (evaluate() "
           "before train(): accelerate marks it prepared, unwrapped) is prepared again for training, so that DDP wraps "

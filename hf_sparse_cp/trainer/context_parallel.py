@@ -69,7 +69,7 @@ from .arguments import flag_errors
 from .callbacks import EvaluationStepsCallback
 from .generated_rows import check_generating_trainer, share_generation_batches
 from .router_loss import loss_share, model_loss_share, router_loss_over_cp_group
-from .stream_rows import count_stream, rank_stream_rows, stream_rows
+from .stream_rows import count_stream, rank_stream_rows, read_whole_stream, stream_rows
 from .token_ids import CheckedCollate, vocabulary_of
 from .whole_rows import check_whole_row_trainer, hook_whole_row_forwards, whole_sequence_outputs
 
@@ -115,7 +115,7 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
 
     def prepare(data_loader, device_placement=None, slice_fn_for_dispatch=None):
         prepared = prepare_data_loader(
-            data_loader,
+            read_whole_stream(data_loader, parallel.dp_size),
             acc.device,
             num_processes=parallel.dp_size,
             process_index=parallel.dp_rank,

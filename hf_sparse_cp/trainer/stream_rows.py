@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 logger = logging.getLogger(__name__)
 _warned = [False]
@@ -41,13 +41,37 @@ class CountedStream(IterableDataset):
         return getattr(self.dataset, name)
 
 
+def read_whole_stream(loader: DataLoader, dp_size: int) -> DataLoader:
+    """`loader`, or, where it reads a 🤗 datasets `IterableDataset` of at least `dp_size` files (shards), the same
+    loader over that stream seen as a plain iterable dataset (`CountedStream`), for accelerate to prepare over
+    `dp_size` ranks.
+
+    accelerate gives each rank its own files of such a stream (`IterableDataset.shard`), whose rows differ in number
+    from rank to rank: the ranks then take different numbers of steps and wait on each other's collectives for ever
+    (an evaluation hung under DP 2 x CP 2), and a global batch holds rows one process reads apart. Seen as a plain
+    iterable, every rank reads the stream and takes its slice of each global batch (`IterableDatasetShard`), as
+    accelerate does for a stream of fewer files."""
+    try:
+        from datasets import IterableDataset as FileStream
+    except ImportError:
+        return loader
+    dataset = loader.dataset
+    if dp_size == 1 or not isinstance(dataset, FileStream) or dataset.n_shards < dp_size:
+        return loader
+    from accelerate.data_loader import _PYTORCH_DATALOADER_KWARGS
+
+    # (an iterable dataset's loader takes no sampler: the torch loader builds its own)
+    kept = set(_PYTORCH_DATALOADER_KWARGS) - {"shuffle", "sampler", "batch_sampler"}
+    return DataLoader(CountedStream(dataset), **{k: getattr(loader, k) for k in kept if hasattr(loader, k)})
+
+
 def count_stream(loader) -> None:
     """Count the rows the shard of an iterable dataset in `loader` (prepared over the DP ranks) reads, where it
     completes a short last batch with copies (no `drop_last`)."""
     from accelerate.data_loader import IterableDatasetShard
 
     shard = getattr(getattr(loader, "base_dataloader", loader), "dataset", None)
-    if isinstance(shard, IterableDatasetShard) and not shard.drop_last:
+    if isinstance(shard, IterableDatasetShard) and not shard.drop_last and not isinstance(shard.dataset, CountedStream):
         shard.dataset = CountedStream(shard.dataset)
 
 

@@ -6,7 +6,7 @@ import torch
 from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, IterableDataset
 
-from hf_sparse_cp.trainer.stream_rows import count_stream, rank_stream_rows, stream_rows
+from hf_sparse_cp.trainer.stream_rows import count_stream, rank_stream_rows, read_whole_stream, stream_rows
 
 
 class _Rows(IterableDataset):
@@ -70,3 +70,35 @@ def test_a_stream_read_by_workers_is_not_counted_and_says_so(monkeypatch, caplog
     assert [r.message for r in caplog.records if "dataloader_num_workers 0" in r.message][0].count("map-style") == 1
     caplog.clear()
     assert stream_rows(loader) is None and not caplog.records
+
+
+def _file_stream(files: int):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"x": list(range(5))}).to_iterable_dataset(files).shuffle(seed=0, buffer_size=8)
+
+
+@pytest.mark.parametrize("files", [1, 2, 3])
+def test_every_rank_reads_the_whole_stream_of_several_files_and_takes_its_slice(files):
+    """A 🤗 datasets stream of at least as many files as ranks, which accelerate would split file by file (ranks of
+    3 and 2 rows), is read whole by every rank, each taking its slice of every global batch as of one file; the loader
+    keeps its settings, and the epoch still reaches the stream's shuffle."""
+    collate = lambda rows: [r["x"] for r in rows]  # noqa: E731
+    ranks = []
+    for rank in range(2):
+        given = DataLoader(_file_stream(files), batch_size=1, collate_fn=collate, drop_last=False)
+        loader = read_whole_stream(given, 2)
+        assert (loader is given) == (files < 2)
+        assert (loader.batch_size, loader.collate_fn, loader.drop_last) == (1, collate, False)
+        prepared = prepare_data_loader(loader, torch.device("cpu"), num_processes=2, process_index=rank,
+                                       put_on_device=False)
+        prepared.set_epoch(1)
+        ranks.append([row for batch in prepared for row in batch])
+    one = [r["x"] for r in _with_epoch(_file_stream(files), 1)]
+    assert len(ranks[0]) == len(ranks[1]) == 3
+    assert [row for pair in zip(*ranks) for row in pair][:5] == one
+
+
+def _with_epoch(stream, epoch: int):
+    stream.set_epoch(epoch)
+    return stream
