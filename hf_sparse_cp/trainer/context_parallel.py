@@ -114,6 +114,7 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
     towers = bool(tower_names(trainer.model))
 
     def prepare(data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        _refuse_uneven_batches(data_loader, options, parallel)
         prepared = prepare_data_loader(
             read_whole_stream(data_loader, parallel.dp_size),
             acc.device,
@@ -134,6 +135,24 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
         return prepared
 
     return prepare
+
+
+def _refuse_uneven_batches(data_loader, options: dict[str, Any], parallel: ParallelDims) -> None:
+    """Raise ValueError, naming the fix, where `even_batches` false (--accelerator_config) would hand the DP ranks
+    different numbers of batches: the ranks then wait on each other's collectives for ever (training hung, evaluation
+    failed on a mismatched gather), as under stock data parallelism."""
+    if options.get("even_batches", True) or options.get("split_batches") or parallel.dp_size == 1:
+        return
+    try:
+        batches = len(data_loader)
+    except TypeError:  # (an iterable set: its shard completes every rank's last batch whatever even_batches says)
+        return
+    if batches % parallel.dp_size:
+        raise ValueError(
+            f"even_batches=False (--accelerator_config) with {batches} batches over {parallel.dp_size} data-parallel "
+            f"ranks (CP {parallel.cp_size}): the ranks would take different numbers of steps and wait on each other "
+            "for ever, as under stock data parallelism. Drop it (accelerate then completes the last batches with the "
+            f"first rows), or give the set a multiple of {parallel.dp_size} batches.")
 
 
 def first_batch_of_each_run(trainer: Trainer) -> Callable[[], bool]:

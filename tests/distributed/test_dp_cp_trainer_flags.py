@@ -9,19 +9,9 @@ import os
 import numpy as np
 import pytest
 import torch
+from padding import pad_collate
 
 from hf_sparse_cp.testing.spawn import run_gloo
-
-
-def _collate(rows: list[dict]) -> dict:
-    n = max(len(r["input_ids"]) for r in rows)
-
-    def padded(t, value):
-        return torch.nn.functional.pad(torch.as_tensor(t), (0, n - len(t)), value=value)
-
-    return {"input_ids": torch.stack([padded(r["input_ids"], 0) for r in rows]),
-            "labels": torch.stack([padded(r["labels"], -100) for r in rows]),
-            "attention_mask": torch.stack([padded([1] * len(r["input_ids"]), 0) for r in rows])}
 
 
 def _rows(count: int, seed: int) -> list[dict]:
@@ -32,7 +22,7 @@ def _rows(count: int, seed: int) -> list[dict]:
         ids = torch.randint(3, 259, (256 - 32 * int(torch.randint(0, 4, (), generator=g)),), generator=g)
         labels = ids.clone()
         labels[: 17 * (i % 5) + 3] = -100
-        rows.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+        rows.append({"input_ids": ids, "labels": labels})
     return rows
 
 
@@ -45,7 +35,7 @@ def _runs(rank: int, world: int, out: str) -> dict:
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     dp = max(world // 2, 1)
-    train, evals = Dataset.from_list(_rows(7, 0)), Dataset.from_list(_rows(5, 1))
+    train, evals = (Dataset.from_list(_rows(n, seed)).with_format("torch") for n, seed in ((7, 0), (5, 1)))
 
     def trainer(name: str, **flags) -> SparseTrainer:
         torch.manual_seed(0)
@@ -56,7 +46,7 @@ def _runs(rank: int, world: int, out: str) -> dict:
             "train_sampling_strategy": "sequential", "cp_size": min(world, 2), "sparse_block_size": 32,
             "sparse_min_seq_len": 128, **flags})
         return SparseTrainer(model=AutoModelForCausalLM.from_config(tiny_config("llama")), args=args,
-                             train_dataset=train, eval_dataset=evals, data_collator=_collate)
+                             train_dataset=train, eval_dataset=evals, data_collator=pad_collate)
 
     def losses(t: SparseTrainer) -> list[float]:
         return [log["loss"] for log in t.state.log_history if "loss" in log]
@@ -96,6 +86,13 @@ def _runs(rank: int, world: int, out: str) -> dict:
     t = trainer("by batch", batch_eval_metrics=True)
     t.compute_metrics = by_batch
     result["by batch"] = t.predict(evals).metrics
+    if dp > 1:  # 7 training rows and 3 evaluation batches over 2 DP ranks
+        t = trainer("uneven", accelerator_config={"even_batches": False})
+        for name, run in (("uneven train", t.train), ("uneven evaluate", t.evaluate)):
+            try:
+                run()
+            except ValueError as e:
+                result[name] = str(e)
     return result
 
 
@@ -134,3 +131,11 @@ def test_an_odd_evaluation_set_gathers_each_row_once(runs, how):
     for rank in ranks:
         assert rank[how][f"{prefix}_rows"] == 5, (rank, one)
         assert rank[how][f"{prefix}_sum"] == pytest.approx(one[how][f"{prefix}_sum"], rel=1e-5), (rank, one)
+
+
+@pytest.mark.parametrize("run", ["train", "evaluate"])
+def test_even_batches_off_with_batches_the_ranks_cannot_share_is_refused_naming_the_fix(runs, run):
+    """Where the DP ranks would take different numbers of batches they waited on each other for ever (training) or
+    failed on a mismatched gather (evaluation), as under stock DP 2: refused on every rank, naming the fix."""
+    for rank in runs[1]:
+        assert "even_batches=False" in rank[f"uneven {run}"] and "Drop it" in rank[f"uneven {run}"], rank
