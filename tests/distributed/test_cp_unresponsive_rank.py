@@ -35,7 +35,7 @@ def _meet(rank: int, workdir: str) -> None:
 
 
 def _rank(rank: int, workdir: str) -> None:
-    """Rank 1 stops itself once two CP groups are set up; rank 0 then runs a CP forward over the first (its
+    """Rank 1 stops itself once two groups of the CP ranks are set up; rank 0 then runs a CP forward over the first (its
     first collective waits on rank 1) and a ring receive over the second, records the errors they end with,
     and re-raises the last, as a training script would."""
     from transformers import AutoModelForCausalLM
@@ -55,7 +55,10 @@ def _rank(rank: int, workdir: str) -> None:
     _meet(rank, workdir)
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    forward_dims, ring_dims = (ParallelDims.from_config(ContextParallelConfig(cp_size=2)) for _ in range(2))
+    forward_dims = ParallelDims.from_config(ContextParallelConfig(cp_size=2))
+    # (the ring waits on another group of the same ranks, which the forward's timeout leaves whole: a layout built
+    # again reuses its groups, a Ulysses layout's head group is its own)
+    ring_group = ParallelDims.from_config(ContextParallelConfig(cp_size=2, cp_mode="ulysses")).head_group
     dist.barrier()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -63,7 +66,7 @@ def _rank(rank: int, workdir: str) -> None:
     Path(workdir, "started").write_text(str(time.time()))
     attempts = {
         "forward": lambda: model(**prepare_context_parallel_inputs({"input_ids": ids}, forward_dims, block_size=16)),
-        "ring": lambda: P2PComm(ring_dims.cp_group).post([Transfer(1, torch.empty(64), send=False)]).wait(),
+        "ring": lambda: P2PComm(ring_group).post([Transfer(1, torch.empty(64), send=False)]).wait(),
     }
     errors = {}
     for name, attempt in attempts.items():
