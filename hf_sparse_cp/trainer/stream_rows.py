@@ -65,12 +65,17 @@ def read_whole_stream(loader: DataLoader, dp_size: int) -> DataLoader:
     return DataLoader(CountedStream(dataset), **{k: getattr(loader, k) for k in kept if hasattr(loader, k)})
 
 
+def _shard(loader):
+    """The dataset `loader` reads (a prepared loader's: its base loader's), accelerate's shard where it made one."""
+    return getattr(getattr(loader, "base_dataloader", loader), "dataset", None)
+
+
 def count_stream(loader) -> None:
     """Count the rows the shard of an iterable dataset in `loader` (prepared over the DP ranks) reads, where it
     completes a short last batch with copies (no `drop_last`)."""
     from accelerate.data_loader import IterableDatasetShard
 
-    shard = getattr(getattr(loader, "base_dataloader", loader), "dataset", None)
+    shard = _shard(loader)
     if isinstance(shard, IterableDatasetShard) and not shard.drop_last and not isinstance(shard.dataset, CountedStream):
         shard.dataset = CountedStream(shard.dataset)
 
@@ -82,7 +87,7 @@ def _global_batch(shard) -> int:
 def _last_batch(loader):
     """The counting shard of `loader` and how many rows of its last global batch are the stream's (None, None where
     it does not count them)."""
-    shard = getattr(getattr(loader, "base_dataloader", loader), "dataset", None)
+    shard = _shard(loader)
     if not isinstance(getattr(shard, "dataset", None), CountedStream):
         return None, None
     rows = shard.dataset.rows
