@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
@@ -249,7 +250,7 @@ def sample_length(sample: dict[str, Any]) -> int:
 class StageSamples(torch.utils.data.Dataset):
     """`dataset[index]` cropped to a length: items are `(index, seq_len)`; every field as long as the
     sample's input_ids or inputs_embeds (labels, attention_mask, position_ids, ...) keeps its first `seq_len`
-    tokens."""
+    tokens, and a packed row's document lengths (`seq_lengths`, TRL's packing) those of its first `seq_len` tokens."""
 
     def __init__(self, dataset) -> None:
         self.dataset = dataset
@@ -261,7 +262,29 @@ class StageSamples(torch.utils.data.Dataset):
         index, seq_len = item
         sample = self.dataset[index]
         length = sample_length(sample)
-        return {k: v[:seq_len] if _is_sequence(v) and len(v) == length else v for k, v in sample.items()}
+        cropped = {k: v[:seq_len] if _is_sequence(v) and len(v) == length else v for k, v in sample.items()}
+        lengths = sample.get(_DOCUMENT_LENGTHS)
+        if _is_sequence(lengths) and sum(int(n) for n in lengths) == length:
+            cropped[_DOCUMENT_LENGTHS] = _crop_document_lengths(lengths, seq_len)
+        return cropped
+
+
+# A packed row's document lengths, summing to its tokens: TRL's packing stores them, from which its collator builds
+# the restarting position_ids (a row cropped with lengths left whole got position_ids longer than its tokens).
+_DOCUMENT_LENGTHS = "seq_lengths"
+
+
+def _crop_document_lengths(lengths, seq_len: int):
+    """The lengths of the documents of a packed row's first `seq_len` tokens (the last one cut), of `lengths`' type."""
+    kept, total = [], 0
+    for n in (int(n) for n in lengths):
+        if total >= seq_len:
+            break
+        kept.append(min(n, seq_len - total))
+        total += kept[-1]
+    if isinstance(lengths, torch.Tensor):
+        return torch.tensor(kept, dtype=lengths.dtype)
+    return type(lengths)(kept) if isinstance(lengths, (list, tuple)) else np.asarray(kept, dtype=lengths.dtype)
 
 
 def _is_sequence(value: Any) -> bool:

@@ -272,6 +272,19 @@ def test_stage_samples_crop_every_token_field():
     assert item["weights"].shape == (3,) and item["score"] == 1.0
 
 
+@pytest.mark.parametrize("form", [list, torch.tensor, np.array])
+def test_stage_samples_crop_a_packed_row_s_document_lengths(form):
+    """TRL's packed rows keep their documents' lengths (`seq_lengths`), from which its collator builds the position_ids:
+    kept whole, they described more tokens than the cropped row held."""
+    data = [{"input_ids": torch.arange(10), "seq_lengths": form([3, 4, 3])}]
+    for seq_len, lengths in ((2, [2]), (3, [3]), (5, [3, 2]), (7, [3, 4]), (10, [3, 4, 3])):
+        item = StageSamples(data)[(0, seq_len)]
+        assert item["input_ids"].tolist() == list(range(seq_len))
+        assert type(item["seq_lengths"]) is type(data[0]["seq_lengths"]) and list(item["seq_lengths"]) == lengths
+    # (lengths that do not add up to the row's tokens are not its documents': kept as they are)
+    assert StageSamples([{"input_ids": torch.arange(10), "seq_lengths": [3, 4]}])[(0, 5)]["seq_lengths"] == [3, 4]
+
+
 def test_stage_samples_of_embeddings_crop_them_and_every_token_field():
     """A script passing inputs_embeds in place of input_ids (a vision-language model's merged embeddings): before,
     every stage raised KeyError: 'input_ids' when the run began."""
