@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, language_config
 from ..distributed import ContextParallelConfig, ParallelDims, check_sizes
@@ -429,6 +430,33 @@ class _StageSamplesPerSecond(TrainerCallback):
             add_to_log(state, logs, {"train_samples_per_second": round(samples / logs["train_runtime"], 3)})
 
 
+class _DataPassEnds(TrainerCallback):
+    """Makes --save_strategy, --eval_strategy and --logging_strategy `epoch` act at the end of each pass over the data,
+    as without a schedule: the curriculum's sampler is one Trainer epoch of the whole run, whose end the Trainer marks
+    once, at the last step (a run of several passes saved and evaluated only then). A pass ends in the step that takes
+    its last sample, as the stages' epoch starts count them; the last step's end is the Trainer's own epoch end."""
+
+    def __init__(self, curriculum: Curriculum) -> None:
+        self.curriculum, self.taken = curriculum, 0  # taken: samples the steps of this run took so far
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # (a resume that replays no batches starts the samples over at its step: `StageBatchSampler`)
+        self.taken = 0 if args.ignore_data_skip else self.curriculum.samples(0, state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step, num_samples = state.global_step, len(self.curriculum.trainer.train_dataset)
+        before, self.taken = self.taken, self.taken + self.curriculum.samples(step - 1, step)
+        passes = self.taken // num_samples
+        if step >= state.max_steps or passes == before // num_samples:
+            return
+        if args.logging_strategy == IntervalStrategy.EPOCH:
+            control.should_log = True
+        if args.eval_strategy == IntervalStrategy.EPOCH and args.eval_delay <= passes:
+            control.should_evaluate = True
+        if args.save_strategy == SaveStrategy.EPOCH:
+            control.should_save = True
+
+
 def schedule_for(trainer: Trainer, stages: Sequence[Stage]) -> Schedule:
     """`build_schedule` for a built Trainer: its world size, batch sizes, dataset and the model's pattern."""
     args, dataset = trainer.args, trainer.train_dataset
@@ -533,6 +561,7 @@ def enable_curriculum(
     patches.set_attr(trainer, "get_train_dataloader", get_train_dataloader)
     callbacks = trainer.callback_handler.callbacks
     patches.insert(trainer.callback_handler, "callbacks", len(callbacks), _FinishCurriculum(curriculum))
+    patches.insert(trainer.callback_handler, "callbacks", len(callbacks), _DataPassEnds(curriculum))
     patches.insert(trainer.callback_handler, "callbacks", 0, _StageSamplesPerSecond(curriculum))
     logger.info("cp_schedule: %s (stages from steps %s).", schedule.text, list(schedule.starts))
     return curriculum

@@ -657,6 +657,31 @@ def test_an_evaluation_after_training_leaves_the_run_s_own_pattern_on_the_model(
     assert trainer.model.config.sparse_attention == PATTERN.to_dict()
 
 
+def test_epoch_strategies_act_at_the_end_of_each_pass_over_the_data(tmp_path):
+    """A curriculum's sampler is one Trainer epoch of the whole run, so --save_strategy, --eval_strategy and
+    --logging_strategy epoch saved, evaluated and logged once, at the last step, where a run without a schedule does so
+    after each pass over the data (8 steps of 4 samples over 8 samples: checkpoints 2, 4, 6 and 8; with the schedule
+    checkpoint-8 alone: a run stopped before its end had saved nothing). They act in the step that completes each pass
+    now, as the stages' epoch starts count them (7 steps of 4 samples over 6: steps 2, 3, 5 and 6), and at the end."""
+    from transformers import AutoModelForCausalLM, default_data_collator
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainer
+
+    torch.manual_seed(0)
+    samples = _stage_data(_samples(), 0, 6, 256)
+    args = _args(str(tmp_path), False, cp_schedule="0:128:1,2:256:1", max_steps=7, per_device_train_batch_size=4,
+                 save_strategy="epoch", eval_strategy="epoch", logging_strategy="epoch", per_device_eval_batch_size=2)
+    trainer = SparseTrainer(model=AutoModelForCausalLM.from_config(tiny_config("llama")), args=args,
+                            train_dataset=samples, eval_dataset=samples[:2], data_collator=default_data_collator)
+    trainer.train()
+    ends = [2, 3, 5, 6, 7]
+    assert sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*")) == ends
+    history = trainer.state.log_history
+    assert [log["step"] for log in history if "eval_loss" in log] == ends
+    assert [log["step"] for log in history if "loss" in log] == ends
+
+
 def test_a_resume_that_replays_no_batches_trains_each_step_in_its_stage(tmp_path):
     """`--ignore_data_skip` resumed at step 2 of `0:128:1,2:256:1:...` trained steps 3-4 on stage 0's batches (the
     sampler began at step 0); under CP the ranks of a group then held different rows and stopped, blamed on data
