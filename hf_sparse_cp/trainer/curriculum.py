@@ -514,6 +514,7 @@ def enable_curriculum(
                                  "--cp_schedule.")
             check_training_arguments(trainer.args, max(s.cp_size for s in schedule.stages))
             warn_inexact(trainer)
+        _refuse_split_batches(trainer, schedule)
         configs = []
         for i, stage in enumerate(schedule.stages):
             with stage.refusals(i):
@@ -565,6 +566,28 @@ def enable_curriculum(
     patches.insert(trainer.callback_handler, "callbacks", 0, _StageSamplesPerSecond(curriculum))
     logger.info("cp_schedule: %s (stages from steps %s).", schedule.text, list(schedule.starts))
     return curriculum
+
+
+def _refuse_split_batches(trainer: Trainer, schedule: Schedule) -> None:
+    """Raise ValueError, naming the fix, for accelerate's split_batches where a stage has several data-parallel ranks:
+    a step of the curriculum's sampler takes per_device_train_batch_size x accumulation samples on every DP rank of its
+    stage, where split_batches means that many in all, split over the ranks (the run took DP-degree times more, and
+    trained another run than the flags said, silently). With one DP rank in every stage the two agree."""
+    if not compat.dp_data_loader_options(trainer.accelerator).get("split_batches"):
+        return
+    world = trainer.accelerator.num_processes
+    split = [(i, stage) for i, stage in enumerate(schedule.stages) if stage.cp_size < world]
+    if not split:
+        return
+    (i, stage), batch = split[0], trainer.args.per_device_train_batch_size
+    fix = (f"For the {batch} samples a step of split_batches takes, give --per_device_train_batch_size "
+           f"{batch // world} without split_batches" if batch % world == 0 else
+           f"Drop split_batches and give the samples a step takes per process ({batch} do not split over {world})")
+    raise ValueError(
+        f"split_batches=True (--accelerator_config) with a cp_schedule whose stage {i} ({stage.text}) has "
+        f"{world // stage.cp_size} data-parallel ranks: a curriculum's step takes per_device_train_batch_size x "
+        f"gradient_accumulation_steps samples on every DP rank of its stage, not that many split over them. {fix} "
+        "(at CP 1: a stage at CP degree c takes 1/c of them).")
 
 
 class StageDataLoader:

@@ -799,6 +799,45 @@ def test_the_model_card_of_a_cp_switch_states_every_stage(switched):
     assert "- total_eval_batch_size: 16 from step 0, 8 from step 2 (distinct sequences per evaluation batch" in card
 
 
+# ---- 2 gloo processes: accelerate's split_batches ----
+
+
+def _split_batches_refusal(rank: int, world: int, out: str, schedule: str) -> str:
+    """The error a SparseTrainer with --cp_schedule `schedule` and split_batches ends with, or "trained"."""
+    from transformers import AutoModelForCausalLM, default_data_collator
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.arguments import is_flag_error
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainer
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    args = _args(out, False, cp_schedule=schedule, max_steps=2, per_device_train_batch_size=2,
+                 accelerator_config={"split_batches": True})
+    try:
+        trainer = SparseTrainer(model=AutoModelForCausalLM.from_config(tiny_config("llama")), args=args,
+                                train_dataset=_random_samples(), data_collator=default_data_collator)
+        trainer.train()
+    except ValueError as error:
+        return f"{is_flag_error(error)}: {error}"
+    return "trained"
+
+
+def test_split_batches_with_data_parallel_stages_is_refused_naming_the_fix(tmp_path):
+    """With accelerate's split_batches a step takes per_device_train_batch_size samples in all, split over the ranks;
+    a curriculum's sampler handed every DP rank of a stage that many, so `0:256:1,1:512:2` on 2 processes trained 4
+    samples a step at CP 1 where stock split_batches takes 2 (the losses and weights of another run, silently). A
+    schedule whose stages all have one DP rank takes the same samples either way, and trains."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    refused = run_gloo(_split_batches_refusal, 2, str(tmp_path / "dp"), "0:256:1,1:512:2", timeout_s=300)
+    for text in refused:
+        assert text.startswith("True: split_batches=True (--accelerator_config) with a cp_schedule whose stage 0 "
+                               "(0:256:1) has 2 data-parallel ranks"), text
+        assert "--per_device_train_batch_size 1 without split_batches" in text, text
+    assert run_gloo(_split_batches_refusal, 2, str(tmp_path / "cp"), "0:256:2,1:512:2", timeout_s=300) == [
+        "trained"] * 2
+
+
 # ---- 2 gloo processes: evaluation loaders follow the stage ----
 
 
