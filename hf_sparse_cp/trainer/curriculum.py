@@ -209,6 +209,7 @@ def _starts(stages: Sequence[Stage], max_steps: int, samples_per_step: Sequence[
             num_samples: int | None = None) -> tuple[int, ...]:
     """The stages' start steps (`build_schedule`'s arguments), each after the one before and within max_steps."""
     starts, consumed = [], 0  # consumed: samples taken before the latest stage's start
+    resolved: dict[int, str] = {}  # the epoch starts the data resolved, for a refusal that names their step
     for i, stage in enumerate(stages):
         if stage.from_step is not None or i == 0:
             start = stage.from_step if stage.from_step is not None else int(stage.from_epoch > 0)
@@ -218,15 +219,18 @@ def _starts(stages: Sequence[Stage], max_steps: int, samples_per_step: Sequence[
         else:  # the first step boundary at which `from_epoch` passes over the dataset are consumed
             need = stage.from_epoch * num_samples - consumed
             start = starts[-1] + max(0, math.ceil(need / samples_per_step[i - 1]))
+            resolved[i] = (f" Stage {i} ({stage.text}) starts at step {start}, the first by which {stage.from_epoch:g} "
+                           f"passes over the {num_samples} samples are taken.")
         if i and start <= starts[-1]:
-            raise ValueError(_ORDER.format(i=i, text=stage.text, unit="step", start=start, j=i - 1, earlier=starts[-1]))
+            raise ValueError(_ORDER.format(i=i, text=stage.text, unit="step", start=start, j=i - 1, earlier=starts[-1])
+                             + resolved.get(i - 1, "") + resolved.get(i, ""))
         if i and samples_per_step is not None:
             consumed += (start - starts[-1]) * samples_per_step[i - 1]
         starts.append(start)
     if starts[0] != 0:
         raise ValueError(_FIRST_START.format(stages[0].text))
     if starts[-1] >= max_steps:
-        raise ValueError(_LAST_START.format(starts[-1], max_steps))
+        raise ValueError(_LAST_START.format(starts[-1], max_steps) + resolved.get(len(stages) - 1, ""))
     return tuple(starts)
 
 

@@ -215,6 +215,20 @@ def test_epoch_starts_resolve_to_the_step_that_completes_them():
         0, 0, 1, 1, 2, 2]
 
 
+def test_an_epoch_start_refused_says_the_step_it_resolved_to():
+    """An epoch start that the data resolve into a step past --max_steps, or not after the stage before, was refused
+    naming only that step ('the last stage starts at step 25', for a schedule that wrote 5ep): the refusal now says
+    which stage's epoch start it is and how it resolved."""
+    resolved = "Stage 1 (5ep:256:1) starts at step 25, the first by which 5 passes over the 10 samples are taken."
+    with pytest.raises(ValueError, match=re.escape("at or after --max_steps 6: raise --max_steps above 25 or start "
+                                                   f"the stage earlier. {resolved}")):
+        _build("0:128:1,5ep:256:1", world=1, samples_per_step=[2, 2], num_samples=10)
+    resolved = "Stage 1 (0.5ep:256:1) starts at step 3, the first by which 0.5 passes over the 10 samples are taken."
+    with pytest.raises(ValueError, match=re.escape("stage 2 (2:256:1) starts at step 2, not after stage 1 (step 3): "
+                                                   f"order the stages by their start. {resolved}")):
+        _build("0:128:1,0.5ep:256:1,2:256:1", world=1, samples_per_step=[2, 2, 2], num_samples=10)
+
+
 def _dims(world: int, rank: int, cp: int) -> ParallelDims:
     group = tuple(range(rank // cp * cp, rank // cp * cp + cp))
     return ParallelDims(world_size=world, rank=rank, cp_ranks=group, cp_group=None, topology=RingTopology(1, cp),
