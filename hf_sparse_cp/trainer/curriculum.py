@@ -671,7 +671,9 @@ def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int) ->
                "--sparse_max_length in the example script), or shorten the stage" if row < stage.seq_len else
                f"the data collator turns {n} samples of up to {stage.seq_len} tokens into longer rows (packing them "
                "into one row, as DataCollatorWithFlattening / --pack_documents do, or padding), while a stage crops "
-               "each sample, not the row: train a curriculum with one sample per row, without packing")
+               "each sample, not the row: train a curriculum with one sample per row, without packing, or with rows "
+               "packed before the collator (TRL's packing=True, or restarting position_ids in the data) one to a "
+               "batch: --per_device_train_batch_size 1, with --gradient_accumulation_steps for more")
         with flag_errors((ValueError,)):  # (a launched run ends with the message alone, not a traceback per rank)
             raise ValueError(f"cp_schedule stage {i} ({stage.text}) would train rows of {row} tokens, not "
                              f"{stage.seq_len}: {why}.")

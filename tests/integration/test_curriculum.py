@@ -607,6 +607,10 @@ def test_a_stage_whose_rows_pack_several_samples_is_refused_before_training(tmp_
                                          r"the data collator turns 2 samples .* without packing") as refused:
         trainer.train()
     assert trainer.state.global_step == 0 and is_flag_error(refused.value)
+    # (rows packed before the collator, TRL's packing=True, are samples a stage crops: one to a batch)
+    assert ("or with rows packed before the collator (TRL's packing=True, or restarting position_ids in the data) one "
+            "to a batch: --per_device_train_batch_size 1, with --gradient_accumulation_steps for more") in str(
+                refused.value)
 
 
 def test_a_dataset_without_a_length_is_refused_as_a_bad_flag(tmp_path):
