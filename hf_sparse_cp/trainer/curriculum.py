@@ -566,7 +566,8 @@ def enable_curriculum(
     patches.set_attr(trainer, "get_train_dataloader", get_train_dataloader)
     callbacks = trainer.callback_handler.callbacks
     patches.insert(trainer.callback_handler, "callbacks", len(callbacks), _FinishCurriculum(curriculum))
-    patches.insert(trainer.callback_handler, "callbacks", len(callbacks), _DataPassEnds(curriculum))
+    # (before the checkpoint marker, which marks a save in progress where its on_step_end sees one decided)
+    patches.insert(trainer.callback_handler, "callbacks", 0, _DataPassEnds(curriculum))
     patches.insert(trainer.callback_handler, "callbacks", 0, _StageSamplesPerSecond(curriculum))
     logger.info("cp_schedule: %s (stages from steps %s).", schedule.text, list(schedule.starts))
     return curriculum

@@ -16,7 +16,7 @@ import torch
 from hf_sparse_cp.attention.budgets import Mass
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.distributed import CP_SHARD_KWARG, ParallelDims, RingTopology
-from hf_sparse_cp.trainer.checkpoints import MARKER
+from hf_sparse_cp.trainer.checkpoints import MARKER, read_marker
 from hf_sparse_cp.trainer.curriculum import (
     StageBatchSampler,
     StageSamples,
@@ -692,9 +692,17 @@ def test_epoch_strategies_act_at_the_end_of_each_pass_over_the_data(tmp_path):
                  save_strategy="epoch", eval_strategy="epoch", logging_strategy="epoch", per_device_eval_batch_size=2)
     trainer = SparseTrainer(model=AutoModelForCausalLM.from_config(tiny_config("llama")), args=args,
                             train_dataset=samples, eval_dataset=samples[:2], data_collator=default_data_collator)
+    marked, save = [], trainer._save_checkpoint
+
+    def marked_first(*args, **kwargs):  # (a save that dies halfway must leave its checkpoint marked in progress)
+        marked.append(read_marker(tmp_path / f"checkpoint-{trainer.state.global_step}"))
+        return save(*args, **kwargs)
+
+    trainer._save_checkpoint = marked_first
     trainer.train()
     ends = [2, 3, 5, 6, 7]
     assert sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*")) == ends
+    assert marked == [{"complete": False, "step": step} for step in ends]
     history = trainer.state.log_history
     assert [log["step"] for log in history if "eval_loss" in log] == ends
     assert [log["step"] for log in history if "loss" in log] == ends
