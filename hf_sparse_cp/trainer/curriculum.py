@@ -193,8 +193,13 @@ def _stage_config(i: int, stage: Stage, sparse_config: SparseAttentionConfig) ->
                              "length, the CP layout and the sparse-attention pattern only): drop them from the stage "
                              f"and set them for the run ({flags}).")
         if unknown:
+            mode = stage.sparse.get("mode")
+            hint = "; use e.g. mass_threshold=0.005 or cp_mode=ulysses."
+            if "mode" in unknown:
+                hint = (f": the budget's mode is budget_mode={mode} (or budget.mode={mode}); SMET's, --smet_mode, "
+                        "holds for the whole run.")
             raise ValueError(f"{sorted(unknown)} are not sparse-pattern fields (SparseAttentionConfig) or CP fields "
-                             "(ContextParallelConfig); use e.g. mass_threshold=0.005 or cp_mode=ulysses.")
+                             f"(ContextParallelConfig){hint}")
         config = stage.sparse_config(sparse_config)
         unit = config.block_size * stage.cp_size
         if stage.seq_len % unit:

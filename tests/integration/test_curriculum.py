@@ -82,6 +82,9 @@ def _build(text, world=4, max_steps=6, **kw):
     ("0:128:1,2:384:3", r"stage 1 \(2:384:3\): cp_size=3 does not divide the world size 4.*divides it \(1, 2 or 4\)"),
     ("0:128:1,2:320:2", r"seq_len=320 does not split into whole blocks of 64 tokens over 2 CP ranks.*256 or 384"),
     ("0:128:1,2:256:2:vertical_top=4", r"\['vertical_top'\] are not sparse-pattern fields .* or CP fields"),
+    # a bare `mode`: the budget's (budget_mode=, budget.mode=), named; SMET's is the run's --smet_mode
+    ("0:128:1,2:256:2:mode=mass", r"\['mode'\] are not sparse-pattern fields .*: the budget's mode is budget_mode=mass "
+                                  r"\(or budget.mode=mass\); SMET's, --smet_mode, holds for the whole run\."),
     ("0:128:1,2:256:2:block_size=48", "power of two"),
     ("1:128:1", "must start at 0"),
     ("0:128:1,2:256:2,2:512:4", "not after stage 1"),
