@@ -195,6 +195,10 @@ def _stage_config(i: int, stage: Stage, sparse_config: SparseAttentionConfig) ->
         if unknown:
             mode = stage.sparse.get("mode")
             hint = "; use e.g. mass_threshold=0.005 or cp_mode=ulysses."
+            if any(key.startswith("layer_overrides") for key in unknown):
+                raise ValueError("a stage cannot set layer_overrides: give them in the run's --sparse_config file, "
+                                 "where they hold for every stage (a stage's fields reach the layers whose overrides "
+                                 "do not set them).")
             if "mode" in unknown:
                 hint = (f": the budget's mode is budget_mode={mode} (or budget.mode={mode}); SMET's, --smet_mode, "
                         "holds for the whole run.")

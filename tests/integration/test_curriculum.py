@@ -82,6 +82,10 @@ def _build(text, world=4, max_steps=6, **kw):
     ("0:128:1,2:384:3", r"stage 1 \(2:384:3\): cp_size=3 does not divide the world size 4.*divides it \(1, 2 or 4\)"),
     ("0:128:1,2:320:2", r"seq_len=320 does not split into whole blocks of 64 tokens over 2 CP ranks.*256 or 384"),
     ("0:128:1,2:256:2:vertical_top=4", r"\['vertical_top'\] are not sparse-pattern fields .* or CP fields"),
+    # a layer's fields: the run's config file sets them for every stage
+    ("0:128:1,2:256:2:layer_overrides.1.vertical_topk=8", r"stage 1 \(2:256:2:layer_overrides.1.vertical_topk=8\): a "
+     r"stage cannot set layer_overrides: give them in the run's --sparse_config file, where they hold for every stage "
+     r"\(a stage's fields reach the layers whose overrides do not set them\)\."),
     # a bare `mode`: the budget's (budget_mode=, budget.mode=), named; SMET's is the run's --smet_mode
     ("0:128:1,2:256:2:mode=mass", r"\['mode'\] are not sparse-pattern fields .*: the budget's mode is budget_mode=mass "
                                   r"\(or budget.mode=mass\); SMET's, --smet_mode, holds for the whole run\."),
