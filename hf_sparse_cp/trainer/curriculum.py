@@ -192,14 +192,14 @@ def _stage_config(i: int, stage: Stage, sparse_config: SparseAttentionConfig) ->
             raise ValueError(f"{smet} are SMET settings, which hold for the whole run (a stage changes the sequence "
                              "length, the CP layout and the sparse-attention pattern only): drop them from the stage "
                              f"and set them for the run ({flags}).")
+        if any(key.startswith("layer_overrides") for key in unknown):
+            raise ValueError("a stage cannot set layer_overrides: give them in the run's --sparse_config file, where "
+                             "they hold for every stage (a stage's fields reach the layers whose overrides do not set "
+                             "them).")
         if unknown:
-            mode = stage.sparse.get("mode")
             hint = "; use e.g. mass_threshold=0.005 or cp_mode=ulysses."
-            if any(key.startswith("layer_overrides") for key in unknown):
-                raise ValueError("a stage cannot set layer_overrides: give them in the run's --sparse_config file, "
-                                 "where they hold for every stage (a stage's fields reach the layers whose overrides "
-                                 "do not set them).")
             if "mode" in unknown:
+                mode = stage.sparse["mode"]
                 hint = (f": the budget's mode is budget_mode={mode} (or budget.mode={mode}); SMET's, --smet_mode, "
                         "holds for the whole run.")
             raise ValueError(f"{sorted(unknown)} are not sparse-pattern fields (SparseAttentionConfig) or CP fields "
@@ -594,7 +594,7 @@ def _refuse_split_batches(trainer: Trainer, schedule: Schedule) -> None:
     if not split:
         return
     (i, stage), batch = split[0], trainer.args.per_device_train_batch_size
-    fix = (f"For the {batch} samples a step of split_batches takes, give --per_device_train_batch_size "
+    fix = (f"For the {batch} samples a batch that split_batches shares out, give --per_device_train_batch_size "
            f"{batch // world} without split_batches" if batch % world == 0 else
            f"Drop split_batches and give the samples a step takes per process ({batch} do not split over {world})")
     raise ValueError(
