@@ -36,8 +36,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, language_config
 from ..distributed import ContextParallelConfig, ParallelDims, check_sizes
@@ -190,9 +192,18 @@ def _stage_config(i: int, stage: Stage, sparse_config: SparseAttentionConfig) ->
             raise ValueError(f"{smet} are SMET settings, which hold for the whole run (a stage changes the sequence "
                              "length, the CP layout and the sparse-attention pattern only): drop them from the stage "
                              f"and set them for the run ({flags}).")
+        if any(key.startswith("layer_overrides") for key in unknown):
+            raise ValueError("a stage cannot set layer_overrides: give them in the run's --sparse_config file, where "
+                             "they hold for every stage (a stage's fields reach the layers whose overrides do not set "
+                             "them).")
         if unknown:
+            hint = "; use e.g. mass_threshold=0.005 or cp_mode=ulysses."
+            if "mode" in unknown:
+                mode = stage.sparse["mode"]
+                hint = (f": the budget's mode is budget_mode={mode} (or budget.mode={mode}); SMET's, --smet_mode, "
+                        "holds for the whole run.")
             raise ValueError(f"{sorted(unknown)} are not sparse-pattern fields (SparseAttentionConfig) or CP fields "
-                             "(ContextParallelConfig); use e.g. mass_threshold=0.005 or cp_mode=ulysses.")
+                             f"(ContextParallelConfig){hint}")
         config = stage.sparse_config(sparse_config)
         unit = config.block_size * stage.cp_size
         if stage.seq_len % unit:
@@ -207,6 +218,7 @@ def _starts(stages: Sequence[Stage], max_steps: int, samples_per_step: Sequence[
             num_samples: int | None = None) -> tuple[int, ...]:
     """The stages' start steps (`build_schedule`'s arguments), each after the one before and within max_steps."""
     starts, consumed = [], 0  # consumed: samples taken before the latest stage's start
+    resolved: dict[int, str] = {}  # the epoch starts the data resolved, for a refusal that names their step
     for i, stage in enumerate(stages):
         if stage.from_step is not None or i == 0:
             start = stage.from_step if stage.from_step is not None else int(stage.from_epoch > 0)
@@ -216,15 +228,18 @@ def _starts(stages: Sequence[Stage], max_steps: int, samples_per_step: Sequence[
         else:  # the first step boundary at which `from_epoch` passes over the dataset are consumed
             need = stage.from_epoch * num_samples - consumed
             start = starts[-1] + max(0, math.ceil(need / samples_per_step[i - 1]))
+            resolved[i] = (f" Stage {i} ({stage.text}) starts at step {start}, the first by which {stage.from_epoch:g} "
+                           f"passes over the {num_samples} samples are taken.")
         if i and start <= starts[-1]:
-            raise ValueError(_ORDER.format(i=i, text=stage.text, unit="step", start=start, j=i - 1, earlier=starts[-1]))
+            raise ValueError(_ORDER.format(i=i, text=stage.text, unit="step", start=start, j=i - 1, earlier=starts[-1])
+                             + resolved.get(i - 1, "") + resolved.get(i, ""))
         if i and samples_per_step is not None:
             consumed += (start - starts[-1]) * samples_per_step[i - 1]
         starts.append(start)
     if starts[0] != 0:
         raise ValueError(_FIRST_START.format(stages[0].text))
     if starts[-1] >= max_steps:
-        raise ValueError(_LAST_START.format(starts[-1], max_steps))
+        raise ValueError(_LAST_START.format(starts[-1], max_steps) + resolved.get(len(stages) - 1, ""))
     return tuple(starts)
 
 
@@ -249,7 +264,7 @@ def sample_length(sample: dict[str, Any]) -> int:
 class StageSamples(torch.utils.data.Dataset):
     """`dataset[index]` cropped to a length: items are `(index, seq_len)`; every field as long as the
     sample's input_ids or inputs_embeds (labels, attention_mask, position_ids, ...) keeps its first `seq_len`
-    tokens."""
+    tokens, and a packed row's document lengths (`seq_lengths`, TRL's packing) those of its first `seq_len` tokens."""
 
     def __init__(self, dataset) -> None:
         self.dataset = dataset
@@ -261,7 +276,29 @@ class StageSamples(torch.utils.data.Dataset):
         index, seq_len = item
         sample = self.dataset[index]
         length = sample_length(sample)
-        return {k: v[:seq_len] if _is_sequence(v) and len(v) == length else v for k, v in sample.items()}
+        cropped = {k: v[:seq_len] if _is_sequence(v) and len(v) == length else v for k, v in sample.items()}
+        lengths = sample.get(_DOCUMENT_LENGTHS)
+        if _is_sequence(lengths) and sum(int(n) for n in lengths) == length:
+            cropped[_DOCUMENT_LENGTHS] = _crop_document_lengths(lengths, seq_len)
+        return cropped
+
+
+# A packed row's document lengths, summing to its tokens: TRL's packing stores them, from which its collator builds
+# the restarting position_ids (a row cropped with lengths left whole got position_ids longer than its tokens).
+_DOCUMENT_LENGTHS = "seq_lengths"
+
+
+def _crop_document_lengths(lengths, seq_len: int):
+    """The lengths of the documents of a packed row's first `seq_len` tokens (the last one cut), of `lengths`' type."""
+    kept, total = [], 0
+    for n in (int(n) for n in lengths):
+        if total >= seq_len:
+            break
+        kept.append(min(n, seq_len - total))
+        total += kept[-1]
+    if isinstance(lengths, torch.Tensor):
+        return torch.tensor(kept, dtype=lengths.dtype)
+    return type(lengths)(kept) if isinstance(lengths, (list, tuple)) else np.asarray(kept, dtype=lengths.dtype)
 
 
 def _is_sequence(value: Any) -> bool:
@@ -406,6 +443,33 @@ class _StageSamplesPerSecond(TrainerCallback):
             add_to_log(state, logs, {"train_samples_per_second": round(samples / logs["train_runtime"], 3)})
 
 
+class _DataPassEnds(TrainerCallback):
+    """Makes --save_strategy, --eval_strategy and --logging_strategy `epoch` act at the end of each pass over the data,
+    as without a schedule: the curriculum's sampler is one Trainer epoch of the whole run, whose end the Trainer marks
+    once, at the last step (a run of several passes saved and evaluated only then). A pass ends in the step that takes
+    its last sample, as the stages' epoch starts count them; the last step's end is the Trainer's own epoch end."""
+
+    def __init__(self, curriculum: Curriculum) -> None:
+        self.curriculum, self.taken = curriculum, 0  # taken: samples the steps of this run took so far
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # (a resume that replays no batches starts the samples over at its step: `StageBatchSampler`)
+        self.taken = 0 if args.ignore_data_skip else self.curriculum.samples(0, state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step, num_samples = state.global_step, len(self.curriculum.trainer.train_dataset)
+        before, self.taken = self.taken, self.taken + self.curriculum.samples(step - 1, step)
+        passes = self.taken // num_samples
+        if step >= state.max_steps or passes == before // num_samples:
+            return
+        if args.logging_strategy == IntervalStrategy.EPOCH:
+            control.should_log = True
+        if args.eval_strategy == IntervalStrategy.EPOCH and args.eval_delay <= passes:
+            control.should_evaluate = True
+        if args.save_strategy == SaveStrategy.EPOCH:
+            control.should_save = True
+
+
 def schedule_for(trainer: Trainer, stages: Sequence[Stage]) -> Schedule:
     """`build_schedule` for a built Trainer: its world size, batch sizes, dataset and the model's pattern."""
     args, dataset = trainer.args, trainer.train_dataset
@@ -463,6 +527,7 @@ def enable_curriculum(
                                  "--cp_schedule.")
             check_training_arguments(trainer.args, max(s.cp_size for s in schedule.stages))
             warn_inexact(trainer)
+        _refuse_split_batches(trainer, schedule)
         configs = []
         for i, stage in enumerate(schedule.stages):
             with stage.refusals(i):
@@ -510,9 +575,33 @@ def enable_curriculum(
     patches.set_attr(trainer, "get_train_dataloader", get_train_dataloader)
     callbacks = trainer.callback_handler.callbacks
     patches.insert(trainer.callback_handler, "callbacks", len(callbacks), _FinishCurriculum(curriculum))
+    # (before the checkpoint marker, which marks a save in progress where its on_step_end sees one decided)
+    patches.insert(trainer.callback_handler, "callbacks", 0, _DataPassEnds(curriculum))
     patches.insert(trainer.callback_handler, "callbacks", 0, _StageSamplesPerSecond(curriculum))
     logger.info("cp_schedule: %s (stages from steps %s).", schedule.text, list(schedule.starts))
     return curriculum
+
+
+def _refuse_split_batches(trainer: Trainer, schedule: Schedule) -> None:
+    """Raise ValueError, naming the fix, for accelerate's split_batches where a stage has several data-parallel ranks:
+    a step of the curriculum's sampler takes per_device_train_batch_size x accumulation samples on every DP rank of its
+    stage, where split_batches means that many in all, split over the ranks (the run took DP-degree times more, and
+    trained another run than the flags said, silently). With one DP rank in every stage the two agree."""
+    if not compat.dp_data_loader_options(trainer.accelerator).get("split_batches"):
+        return
+    world = trainer.accelerator.num_processes
+    split = [(i, stage) for i, stage in enumerate(schedule.stages) if stage.cp_size < world]
+    if not split:
+        return
+    (i, stage), batch = split[0], trainer.args.per_device_train_batch_size
+    fix = (f"For the {batch} samples a batch that split_batches shares out, give --per_device_train_batch_size "
+           f"{batch // world} without split_batches" if batch % world == 0 else
+           f"Drop split_batches and give the samples a step takes per process ({batch} do not split over {world})")
+    raise ValueError(
+        f"split_batches=True (--accelerator_config) with a cp_schedule whose stage {i} ({stage.text}) has "
+        f"{world // stage.cp_size} data-parallel ranks: a curriculum's step takes per_device_train_batch_size x "
+        f"gradient_accumulation_steps samples on every DP rank of its stage, not that many split over them. {fix} "
+        "(at CP 1: a stage at CP degree c takes 1/c of them).")
 
 
 class StageDataLoader:
@@ -592,7 +681,9 @@ def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int) ->
                "--sparse_max_length in the example script), or shorten the stage" if row < stage.seq_len else
                f"the data collator turns {n} samples of up to {stage.seq_len} tokens into longer rows (packing them "
                "into one row, as DataCollatorWithFlattening / --pack_documents do, or padding), while a stage crops "
-               "each sample, not the row: train a curriculum with one sample per row, without packing")
+               "each sample, not the row: train a curriculum with one sample per row, without packing, or with rows "
+               "packed before the collator (TRL's packing=True, or restarting position_ids in the data) one to a "
+               "batch: --per_device_train_batch_size 1, with --gradient_accumulation_steps for more")
         with flag_errors((ValueError,)):  # (a launched run ends with the message alone, not a traceback per rank)
             raise ValueError(f"cp_schedule stage {i} ({stage.text}) would train rows of {row} tokens, not "
                              f"{stage.seq_len}: {why}.")

@@ -16,7 +16,7 @@ import torch
 from hf_sparse_cp.attention.budgets import Mass
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.distributed import CP_SHARD_KWARG, ParallelDims, RingTopology
-from hf_sparse_cp.trainer.checkpoints import MARKER
+from hf_sparse_cp.trainer.checkpoints import MARKER, read_marker
 from hf_sparse_cp.trainer.curriculum import (
     StageBatchSampler,
     StageSamples,
@@ -82,6 +82,13 @@ def _build(text, world=4, max_steps=6, **kw):
     ("0:128:1,2:384:3", r"stage 1 \(2:384:3\): cp_size=3 does not divide the world size 4.*divides it \(1, 2 or 4\)"),
     ("0:128:1,2:320:2", r"seq_len=320 does not split into whole blocks of 64 tokens over 2 CP ranks.*256 or 384"),
     ("0:128:1,2:256:2:vertical_top=4", r"\['vertical_top'\] are not sparse-pattern fields .* or CP fields"),
+    # a layer's fields: the run's config file sets them for every stage
+    ("0:128:1,2:256:2:layer_overrides.1.vertical_topk=8", r"stage 1 \(2:256:2:layer_overrides.1.vertical_topk=8\): a "
+     r"stage cannot set layer_overrides: give them in the run's --sparse_config file, where they hold for every stage "
+     r"\(a stage's fields reach the layers whose overrides do not set them\)\."),
+    # a bare `mode`: the budget's (budget_mode=, budget.mode=), named; SMET's is the run's --smet_mode
+    ("0:128:1,2:256:2:mode=mass", r"\['mode'\] are not sparse-pattern fields .*: the budget's mode is budget_mode=mass "
+                                  r"\(or budget.mode=mass\); SMET's, --smet_mode, holds for the whole run\."),
     ("0:128:1,2:256:2:block_size=48", "power of two"),
     ("1:128:1", "must start at 0"),
     ("0:128:1,2:256:2,2:512:4", "not after stage 1"),
@@ -215,6 +222,20 @@ def test_epoch_starts_resolve_to_the_step_that_completes_them():
         0, 0, 1, 1, 2, 2]
 
 
+def test_an_epoch_start_refused_says_the_step_it_resolved_to():
+    """An epoch start that the data resolve into a step past --max_steps, or not after the stage before, was refused
+    naming only that step ('the last stage starts at step 25', for a schedule that wrote 5ep): the refusal now says
+    which stage's epoch start it is and how it resolved."""
+    resolved = "Stage 1 (5ep:256:1) starts at step 25, the first by which 5 passes over the 10 samples are taken."
+    with pytest.raises(ValueError, match=re.escape("at or after --max_steps 6: raise --max_steps above 25 or start "
+                                                   f"the stage earlier. {resolved}")):
+        _build("0:128:1,5ep:256:1", world=1, samples_per_step=[2, 2], num_samples=10)
+    resolved = "Stage 1 (0.5ep:256:1) starts at step 3, the first by which 0.5 passes over the 10 samples are taken."
+    with pytest.raises(ValueError, match=re.escape("stage 2 (2:256:1) starts at step 2, not after stage 1 (step 3): "
+                                                   f"order the stages by their start. {resolved}")):
+        _build("0:128:1,0.5ep:256:1,2:256:1", world=1, samples_per_step=[2, 2, 2], num_samples=10)
+
+
 def _dims(world: int, rank: int, cp: int) -> ParallelDims:
     group = tuple(range(rank // cp * cp, rank // cp * cp + cp))
     return ParallelDims(world_size=world, rank=rank, cp_ranks=group, cp_group=None, topology=RingTopology(1, cp),
@@ -270,6 +291,19 @@ def test_stage_samples_crop_every_token_field():
     item = StageSamples(data)[(0, 4)]
     assert item["input_ids"].tolist() == [0, 1, 2, 3] and item["attention_mask"].shape == (4,)
     assert item["weights"].shape == (3,) and item["score"] == 1.0
+
+
+@pytest.mark.parametrize("form", [list, torch.tensor, np.array])
+def test_stage_samples_crop_a_packed_row_s_document_lengths(form):
+    """TRL's packed rows keep their documents' lengths (`seq_lengths`), from which its collator builds the position_ids:
+    kept whole, they described more tokens than the cropped row held."""
+    data = [{"input_ids": torch.arange(10), "seq_lengths": form([3, 4, 3])}]
+    for seq_len, lengths in ((2, [2]), (3, [3]), (5, [3, 2]), (7, [3, 4]), (10, [3, 4, 3])):
+        item = StageSamples(data)[(0, seq_len)]
+        assert item["input_ids"].tolist() == list(range(seq_len))
+        assert type(item["seq_lengths"]) is type(data[0]["seq_lengths"]) and list(item["seq_lengths"]) == lengths
+    # (lengths that do not add up to the row's tokens are not its documents': kept as they are)
+    assert StageSamples([{"input_ids": torch.arange(10), "seq_lengths": [3, 4]}])[(0, 5)]["seq_lengths"] == [3, 4]
 
 
 def test_stage_samples_of_embeddings_crop_them_and_every_token_field():
@@ -580,6 +614,10 @@ def test_a_stage_whose_rows_pack_several_samples_is_refused_before_training(tmp_
                                          r"the data collator turns 2 samples .* without packing") as refused:
         trainer.train()
     assert trainer.state.global_step == 0 and is_flag_error(refused.value)
+    # (rows packed before the collator, TRL's packing=True, are samples a stage crops: one to a batch)
+    assert ("or with rows packed before the collator (TRL's packing=True, or restarting position_ids in the data) one "
+            "to a batch: --per_device_train_batch_size 1, with --gradient_accumulation_steps for more") in str(
+                refused.value)
 
 
 def test_a_dataset_without_a_length_is_refused_as_a_bad_flag(tmp_path):
@@ -642,6 +680,39 @@ def test_an_evaluation_after_training_leaves_the_run_s_own_pattern_on_the_model(
     assert "eval_loss" in trainer.evaluate()
     assert seen[2:] == [16]  # the trained model (one batch of 2 rows), as it is saved
     assert trainer.model.config.sparse_attention == PATTERN.to_dict()
+
+
+def test_epoch_strategies_act_at_the_end_of_each_pass_over_the_data(tmp_path):
+    """A curriculum's sampler is one Trainer epoch of the whole run, so --save_strategy, --eval_strategy and
+    --logging_strategy epoch saved, evaluated and logged once, at the last step, where a run without a schedule does so
+    after each pass over the data (8 steps of 4 samples over 8 samples: checkpoints 2, 4, 6 and 8; with the schedule
+    checkpoint-8 alone: a run stopped before its end had saved nothing). They act in the step that completes each pass
+    now, as the stages' epoch starts count them (7 steps of 4 samples over 6: steps 2, 3, 5 and 6), and at the end."""
+    from transformers import AutoModelForCausalLM, default_data_collator
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainer
+
+    torch.manual_seed(0)
+    samples = _stage_data(_samples(), 0, 6, 256)
+    args = _args(str(tmp_path), False, cp_schedule="0:128:1,2:256:1", max_steps=7, per_device_train_batch_size=4,
+                 save_strategy="epoch", eval_strategy="epoch", logging_strategy="epoch", per_device_eval_batch_size=2)
+    trainer = SparseTrainer(model=AutoModelForCausalLM.from_config(tiny_config("llama")), args=args,
+                            train_dataset=samples, eval_dataset=samples[:2], data_collator=default_data_collator)
+    marked, save = [], trainer._save_checkpoint
+
+    def marked_first(*args, **kwargs):  # (a save that dies halfway must leave its checkpoint marked in progress)
+        marked.append(read_marker(tmp_path / f"checkpoint-{trainer.state.global_step}"))
+        return save(*args, **kwargs)
+
+    trainer._save_checkpoint = marked_first
+    trainer.train()
+    ends = [2, 3, 5, 6, 7]
+    assert sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*")) == ends
+    assert marked == [{"complete": False, "step": step} for step in ends]
+    history = trainer.state.log_history
+    assert [log["step"] for log in history if "eval_loss" in log] == ends
+    assert [log["step"] for log in history if "loss" in log] == ends
 
 
 def test_a_resume_that_replays_no_batches_trains_each_step_in_its_stage(tmp_path):
@@ -759,6 +830,45 @@ def test_the_model_card_of_a_cp_switch_states_every_stage(switched):
     assert "- total_train_batch_size: 2 from step 0, 1 from step 2 (distinct sequences" in card
     # (the stock line said 16, eval batch 8 x 2 processes: the CP 2 stage evaluates 8 distinct sequences a batch)
     assert "- total_eval_batch_size: 16 from step 0, 8 from step 2 (distinct sequences per evaluation batch" in card
+
+
+# ---- 2 gloo processes: accelerate's split_batches ----
+
+
+def _split_batches_refusal(rank: int, world: int, out: str, schedule: str) -> str:
+    """The error a SparseTrainer with --cp_schedule `schedule` and split_batches ends with, or "trained"."""
+    from transformers import AutoModelForCausalLM, default_data_collator
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.arguments import is_flag_error
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainer
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    args = _args(out, False, cp_schedule=schedule, max_steps=2, per_device_train_batch_size=2,
+                 accelerator_config={"split_batches": True})
+    try:
+        trainer = SparseTrainer(model=AutoModelForCausalLM.from_config(tiny_config("llama")), args=args,
+                                train_dataset=_random_samples(), data_collator=default_data_collator)
+        trainer.train()
+    except ValueError as error:
+        return f"{is_flag_error(error)}: {error}"
+    return "trained"
+
+
+def test_split_batches_with_data_parallel_stages_is_refused_naming_the_fix(tmp_path):
+    """With accelerate's split_batches a step takes per_device_train_batch_size samples in all, split over the ranks;
+    a curriculum's sampler handed every DP rank of a stage that many, so `0:256:1,1:512:2` on 2 processes trained 4
+    samples a step at CP 1 where stock split_batches takes 2 (the losses and weights of another run, silently). A
+    schedule whose stages all have one DP rank takes the same samples either way, and trains."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    refused = run_gloo(_split_batches_refusal, 2, str(tmp_path / "dp"), "0:256:1,1:512:2", timeout_s=300)
+    for text in refused:
+        assert text.startswith("True: split_batches=True (--accelerator_config) with a cp_schedule whose stage 0 "
+                               "(0:256:1) has 2 data-parallel ranks"), text
+        assert "--per_device_train_batch_size 1 without split_batches" in text, text
+    assert run_gloo(_split_batches_refusal, 2, str(tmp_path / "cp"), "0:256:2,1:512:2", timeout_s=300) == [
+        "trained"] * 2
 
 
 # ---- 2 gloo processes: evaluation loaders follow the stage ----

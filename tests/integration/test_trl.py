@@ -345,3 +345,24 @@ def test_sft_of_a_model_whose_forward_takes_no_loss_keywords_under_cp2_equals_on
     for rank in run_gloo(_one_target_per_row, 2, str(tmp_path / "cp2"), 2, False, timeout_s=300):
         for key in ("loss", "grad_norm", "eval_loss"):
             assert rank[key] == pytest.approx(one[key], rel=1e-5), key
+
+
+def _through_a_cp_schedule(rank: int, world: int, output_dir: str) -> dict:
+    """TRL's packed SFT (rows of several documents, their lengths in `seq_lengths`) cropped to 128 tokens at step 0 and
+    192 from step 1, on CP `world` (from step 1 head-parallel): `_train`'s result."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    mode = ":cp_mode=ulysses" if world > 1 else ""
+    return _train(output_dir, cp_schedule=f"0:128:{world},1:192:{world}{mode}")[1]
+
+
+def test_packed_sft_through_a_cp_schedule_equals_one_process(tmp_path):
+    """A stage cropped a packed row's tokens but not its document lengths (`seq_lengths`, TRL's packing), from which
+    TRL's collator builds the position_ids: every run stopped as it began, on an IndexError in the collator ('The
+    shape of the mask [1, 231] ... does not match ... [1, 128]'). Each stage now trains the documents of the row's
+    first tokens, the last one cut, under CP 2 as one process does."""
+    one = run_gloo(_through_a_cp_schedule, 1, str(tmp_path / "one"), timeout_s=300)[0]
+    for rank in run_gloo(_through_a_cp_schedule, 2, str(tmp_path / "cp2"), timeout_s=300):
+        for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy"):
+            assert len(rank[key]) == 2 and rank[key] == pytest.approx(one[key], rel=1e-4), key
+        for name, total in one["weights"].items():
+            assert rank["weights"][name] == pytest.approx(total, rel=1e-4, abs=1e-4), name
