@@ -70,7 +70,7 @@ from .callbacks import EvaluationStepsCallback
 from .generated_rows import check_generating_trainer, share_generation_batches
 from .router_loss import loss_share, model_loss_share, router_loss_over_cp_group
 from .stream_rows import count_stream, rank_stream_rows, read_whole_stream, stream_rows
-from .token_ids import CheckedCollate, vocabulary_of
+from .token_ids import CheckedCollate, label_classes_of, vocabulary_of
 from .whole_rows import check_whole_row_trainer, hook_whole_row_forwards, whole_sequence_outputs
 
 logger = logging.getLogger(__name__)
@@ -97,9 +97,9 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
     batches. accelerate's default for an iterable dataset (`run_clm.py --streaming`) is to dispatch: rank 0 reads
     a batch per process and splits them over all processes, whatever `num_processes` says, which hands the ranks
     of a CP group different rows. Raises ValueError, naming the fix, for a `dispatch_batches` the user set. Its
-    batches' token ids are checked against the model's vocabulary where they are built, on the host, and a composite
-    model's batches for its towers' inputs (`token_ids.CheckedCollate`): every rank of the group refuses a bad one
-    together."""
+    batches' token ids are checked against the model's vocabulary and their labels against its head's classes where
+    they are built, on the host, and a composite model's batches for its towers' inputs (`token_ids.CheckedCollate`):
+    every rank of the group refuses a bad one together."""
     from accelerate.data_loader import prepare_data_loader
 
     acc = trainer.accelerator
@@ -110,7 +110,7 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
             "rank 0 would read the batches and split them over all processes, so the ranks of a CP group would "
             "hold different rows. Drop it (or set '{\"dispatch_batches\": false}'): every process then reads "
             "the data itself, as it must build the same data (the same files, or seeded).")
-    vocabulary = vocabulary_of(trainer.model)
+    vocabulary, classes = vocabulary_of(trainer.model), label_classes_of(trainer.model)
     towers = bool(tower_names(trainer.model))
 
     def prepare(data_loader, device_placement=None, slice_fn_for_dispatch=None):
@@ -129,7 +129,7 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
         # torch loader it wraps, `base_dataloader`)
         loader = getattr(prepared, "base_dataloader", prepared)
         loader.worker_init_fn = compat.seed_workers_by(loader.worker_init_fn, parallel.dp_rank)
-        loader.collate_fn = CheckedCollate(loader.collate_fn, vocabulary, towers)
+        loader.collate_fn = CheckedCollate(loader.collate_fn, vocabulary, towers, classes)
         compat.track_data_loader(acc, prepared)
         count_stream(prepared)
         return prepared
