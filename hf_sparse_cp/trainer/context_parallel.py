@@ -14,7 +14,7 @@ each CP group's batch once, the losses a step or an evaluation batch returns (wh
 without the shard during a CP forward is an error.
 `disable_trainer_context_parallel` undoes all of it. The pieces a curriculum of CP degrees reuses
 (`trainer/curriculum.py`) are public: `pad_token_id`, `dp_data_loader`, `count_once_per_cp_group`,
-`first_batch_of_each_run`, `cp_group_steps`.
+`follow_first_ranks_generators`, `first_batch_of_each_run`, `cp_group_steps`.
 """
 
 from __future__ import annotations
@@ -23,11 +23,14 @@ import contextlib
 import inspect
 import logging
 import os
+import random
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from accelerate.utils import str_to_bool
 from transformers import Trainer
 from transformers.trainer_pt_utils import find_batch_size
@@ -170,6 +173,31 @@ def first_batch_of_each_run(trainer: Trainer) -> Callable[[], bool]:
         return True
 
     return first
+
+
+def follow_first_ranks_generators(trainer: Trainer, patches, parallel: Callable[[], ParallelDims]) -> None:
+    """Start each training step's batches, on every rank of a CP group, from the random generators (torch's CPU one,
+    Python's, numpy's) of the group's first rank: a collator drawing from them (a random crop) then builds the same
+    batch on every rank, the one that one process builds. The ranks draw alike as long as they run the same code, but
+    a draw on the main process alone (a callback sampling a generation there) or a CPU dropout of a rank's shard put
+    the others' generators elsewhere, and from the next batch on the ranks trained on a mix of different rows, checked
+    at a run's first batch only (`check_same_batch`). One broadcast of the states (about 7 KB) per step, before the
+    loader builds its batches (`get_batch_samples`, every rank alike); a loader's workers are seeded on their own
+    (`compat.seed_workers_by`). `parallel()` is the CP layout of the step in progress."""
+    compat.require("transformers.Trainer.get_batch_samples")
+    get_batch_samples = trainer.get_batch_samples
+
+    def following(epoch_iterator, num_batches, device):
+        layout = parallel()
+        if layout.cp_size > 1:
+            states = [(torch.get_rng_state(), random.getstate(), np.random.get_state())]
+            dist.broadcast_object_list(states, src=layout.cp_ranks[0], group=layout.cp_group)
+            torch.set_rng_state(states[0][0])
+            random.setstate(states[0][1])
+            np.random.set_state(states[0][2])
+        return get_batch_samples(epoch_iterator, num_batches, device)
+
+    patches.set_attr(trainer, "get_batch_samples", following)
 
 
 def count_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims], owns_cp: bool) -> None:
@@ -884,6 +912,7 @@ def enable_trainer_context_parallel(
         patches.on_undo(handle.remove)
     owns_cp = _accelerate_owns_cp(trainer)
     count_once_per_cp_group(trainer, patches, lambda: parallel, owns_cp)
+    follow_first_ranks_generators(trainer, patches, lambda: parallel)
     cp_group_steps(trainer, patches, lambda: parallel, prepare_inputs)
     if owns_cp:
         # accelerate's CP model preparation hooks every attention layer to drop its mask for SDPA's

@@ -1,9 +1,11 @@
 """The ranks of a CP group must hold the same batch (issue #42): the Trainer checks it at the first step of a run
 and of its resume (once each, not at every step), and stops data built differently on each process with an
-error that names the fix."""
+error that names the fix. A collator drawing random numbers builds the same batch on every rank at every step (#50),
+however the ranks drew before it."""
 
 import os
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -105,3 +107,55 @@ def test_the_same_tokens_arranged_otherwise_on_one_rank_are_refused_as_another_b
     for rank in run_gloo(_refusals_of_rearranged_rows, 2, timeout_s=300):
         assert rank == {"same": False, "rows": True, "column": True, "pairs": True, "embeds_same": False,
                         "embeds_rows": True}
+
+
+def _random_crop(rows: list[dict]) -> dict:
+    """A collator that crops the rows at a random start, drawn from the global RNGs (torch's, Python's, numpy's)."""
+    import random
+
+    import numpy as np
+
+    start = int(torch.randint(0, 24, ())) + random.randrange(24) + int(np.random.randint(24))
+    ids = torch.stack([r["input_ids"][start:start + 160] for r in rows])
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _cropped_run(rank: int, world: int) -> list[float]:
+    """Four steps of CP `world` (or one process) on randomly cropped rows, while a callback draws random numbers on the
+    main process only (one that samples a generation there): the losses logged."""
+    import random
+    import tempfile
+
+    import numpy as np
+    from transformers import TrainerCallback
+
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+
+    class DrawOnMainProcess(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                torch.rand(3), random.random(), np.random.rand()
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama")).double()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = SparseTrainingArguments(
+            output_dir=tmp, max_steps=4, per_device_train_batch_size=1, learning_rate=1e-3, logging_steps=1,
+            report_to="none", save_strategy="no", use_cpu=True, cp_size=world, sparse_block_size=32,
+            sparse_min_seq_len=128, train_sampling_strategy="sequential", remove_unused_columns=False)
+        trainer = SparseTrainer(model=model, args=args, train_dataset=_rows(0), data_collator=_random_crop,
+                                callbacks=[DrawOnMainProcess()])
+        trainer.train()
+    return [log["loss"] for log in trainer.state.log_history if "loss" in log]
+
+
+def test_a_collator_drawing_random_numbers_crops_as_one_process_after_draws_on_the_main_process_only():
+    """A random collator under CP 2 while the main process alone draws random numbers after each step (#50): the
+    other rank's generators fell behind rank 0's, so from the third step on the two ranks cropped other rows and
+    trained on a mix of the two (5.6068 logged against one process's 5.5984), unchecked after the first step. The CP
+    group now starts each step's batches from its first rank's generators, which are one process's."""
+    (one,) = run_gloo(_cropped_run, 1, timeout_s=180)
+    for losses in run_gloo(_cropped_run, 2, timeout_s=180):
+        assert losses == pytest.approx(one, rel=1e-6), (losses, one)
