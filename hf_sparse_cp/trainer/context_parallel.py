@@ -176,18 +176,20 @@ def first_batch_of_each_run(trainer: Trainer) -> Callable[[], bool]:
 
 
 def follow_first_ranks_generators(trainer: Trainer, patches, parallel: Callable[[], ParallelDims]) -> None:
-    """Start each training step's batches, on every rank of a CP group, from the random generators (torch's CPU one,
-    Python's, numpy's) of the group's first rank: a collator drawing from them (a random crop) then builds the same
-    batch on every rank, the one that one process builds. The ranks draw alike as long as they run the same code, but
-    a draw on the main process alone (a callback sampling a generation there) or a CPU dropout of a rank's shard put
-    the others' generators elsewhere, and from the next batch on the ranks trained on a mix of different rows, checked
-    at a run's first batch only (`check_same_batch`). One broadcast of the states (about 7 KB) per step, before the
-    loader builds its batches (`get_batch_samples`, every rank alike); a loader's workers are seeded on their own
-    (`compat.seed_workers_by`). `parallel()` is the CP layout of the step in progress."""
+    """Start each training step's batches, and each evaluation's or prediction's, on every rank of a CP group, from the
+    random generators (torch's CPU one, Python's, numpy's) of the group's first rank: a collator drawing from them (a
+    random crop) then builds the same batch on every rank, the one that one process builds. The ranks draw alike as
+    long as they run the same code, but a draw on the main process alone (a callback sampling a generation there) or
+    a CPU dropout of a rank's shard put the others' generators elsewhere, and from the next batch on the ranks trained
+    and evaluated on a mix of different rows, checked at a run's first batch only (`check_same_batch`). One broadcast
+    of the states (about 7 KB) per step and per evaluation loop, before its loader builds batches (`get_batch_samples`,
+    `evaluation_loop`: every rank alike); a loader's workers are seeded on their own (`compat.seed_workers_by`).
+    `parallel()` is the CP layout of the step in progress."""
     compat.require("transformers.Trainer.get_batch_samples")
-    get_batch_samples = trainer.get_batch_samples
+    compat.require("transformers.Trainer.evaluation_loop")
+    get_batch_samples, evaluation_loop = trainer.get_batch_samples, trainer.evaluation_loop
 
-    def following(epoch_iterator, num_batches, device):
+    def follow() -> None:
         layout = parallel()
         if layout.cp_size > 1:
             states = [(torch.get_rng_state(), random.getstate(), np.random.get_state())]
@@ -195,9 +197,17 @@ def follow_first_ranks_generators(trainer: Trainer, patches, parallel: Callable[
             torch.set_rng_state(states[0][0])
             random.setstate(states[0][1])
             np.random.set_state(states[0][2])
+
+    def following_batch_samples(epoch_iterator, num_batches, device):
+        follow()
         return get_batch_samples(epoch_iterator, num_batches, device)
 
-    patches.set_attr(trainer, "get_batch_samples", following)
+    def following_evaluation_loop(*args, **kwargs):
+        follow()
+        return evaluation_loop(*args, **kwargs)
+
+    patches.set_attr(trainer, "get_batch_samples", following_batch_samples)
+    patches.set_attr(trainer, "evaluation_loop", following_evaluation_loop)
 
 
 def count_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims], owns_cp: bool) -> None:

@@ -121,8 +121,9 @@ def _random_crop(rows: list[dict]) -> dict:
 
 
 def _cropped_run(rank: int, world: int) -> list[float]:
-    """Four steps of CP `world` (or one process) on randomly cropped rows, while a callback draws random numbers on the
-    main process only (one that samples a generation there): the losses logged."""
+    """Four steps of CP `world` (or one process) on randomly cropped rows, evaluated on such rows every two, while a
+    callback draws random numbers on the main process only (one that samples a generation there): the losses and
+    eval_losses logged."""
     import random
     import tempfile
 
@@ -144,18 +145,20 @@ def _cropped_run(rank: int, world: int) -> list[float]:
         args = SparseTrainingArguments(
             output_dir=tmp, max_steps=4, per_device_train_batch_size=1, learning_rate=1e-3, logging_steps=1,
             report_to="none", save_strategy="no", use_cpu=True, cp_size=world, sparse_block_size=32,
-            sparse_min_seq_len=128, train_sampling_strategy="sequential", remove_unused_columns=False)
-        trainer = SparseTrainer(model=model, args=args, train_dataset=_rows(0), data_collator=_random_crop,
-                                callbacks=[DrawOnMainProcess()])
+            sparse_min_seq_len=128, train_sampling_strategy="sequential", remove_unused_columns=False,
+            eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=1)
+        trainer = SparseTrainer(model=model, args=args, train_dataset=_rows(0), eval_dataset=_rows(1)[:3],
+                                data_collator=_random_crop, callbacks=[DrawOnMainProcess()])
         trainer.train()
-    return [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    return [log[key] for log in trainer.state.log_history for key in ("loss", "eval_loss") if key in log]
 
 
 def test_a_collator_drawing_random_numbers_crops_as_one_process_after_draws_on_the_main_process_only():
     """A random collator under CP 2 while the main process alone draws random numbers after each step (#50): the
     other rank's generators fell behind rank 0's, so from the third step on the two ranks cropped other rows and
-    trained on a mix of the two (5.6068 logged against one process's 5.5984), unchecked after the first step. The CP
-    group now starts each step's batches from its first rank's generators, which are one process's."""
+    trained on a mix of the two (5.6068 logged against one process's 5.5984), and evaluated so (eval_loss 5.4571
+    against 5.4534), unchecked after the first step. The CP group now starts each step's batches and each evaluation's
+    from its first rank's generators, which are one process's."""
     (one,) = run_gloo(_cropped_run, 1, timeout_s=180)
     for losses in run_gloo(_cropped_run, 2, timeout_s=180):
         assert losses == pytest.approx(one, rel=1e-6), (losses, one)
