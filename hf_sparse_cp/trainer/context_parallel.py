@@ -44,7 +44,7 @@ from ..distributed import (
     global_num_items,
     prepare_context_parallel_inputs,
 )
-from ..distributed.comm import all_reduce
+from ..distributed.comm import all_reduce, naming_unresponsive_ranks
 from ..distributed.loss import rank_loss
 from ..integration import compat
 from ..integration.architectures import (
@@ -193,7 +193,8 @@ def follow_first_ranks_generators(trainer: Trainer, patches, parallel: Callable[
         layout = parallel()
         if layout.cp_size > 1:
             states = [(torch.get_rng_state(), random.getstate(), np.random.get_state())]
-            dist.broadcast_object_list(states, src=layout.cp_ranks[0], group=layout.cp_group)
+            with naming_unresponsive_ranks("the broadcast of the first CP rank's random generators", layout.cp_group):
+                dist.broadcast_object_list(states, src=layout.cp_ranks[0], group=layout.cp_group)
             torch.set_rng_state(states[0][0])
             random.setstate(states[0][1])
             np.random.set_state(states[0][2])
