@@ -380,8 +380,8 @@ def context_parallel() -> Iterator:
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _sparse_trainer(tmp, label_smoothing_factor=0.1, neftune_noise_alpha=5.0)
         names = ("_prepare_context_parallel_inputs", "_track_num_input_tokens", "_get_num_items_in_batch",
-                 "get_cp_size", "floating_point_ops", "training_step", "prediction_step", "gather_function",
-                 "label_smoother", "neftune_noise_alpha")
+                 "get_batch_samples", "evaluation_loop", "get_cp_size", "floating_point_ops", "training_step",
+                 "prediction_step", "gather_function", "label_smoother", "neftune_noise_alpha")
         yield [*((trainer, n) for n in names), (trainer.accelerator, "prepare_data_loader"),
                (trainer.accelerator, "gather_for_metrics")]
         divides = compat.token_count_divides_by_get_cp_size
@@ -496,7 +496,8 @@ def trl_packing_under_accelerates_cp() -> Iterator:
 
 TWO_PROCESSES = {
     ("transformers.Trainer._prepare_context_parallel_inputs", "transformers.Trainer._track_num_input_tokens",
-     "transformers.Trainer._get_num_items_in_batch", "transformers.Trainer.get_cp_size",
+     "transformers.Trainer._get_num_items_in_batch", "transformers.Trainer.get_batch_samples",
+     "transformers.Trainer.evaluation_loop", "transformers.Trainer.get_cp_size",
      "transformers.Trainer.floating_point_ops", "transformers.Trainer.training_step",
      "transformers.Trainer.prediction_step", "transformers.Trainer.compute_loss",
      "transformers.Trainer.gather_function", "transformers.Trainer.label_smoother",

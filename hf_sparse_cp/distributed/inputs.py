@@ -90,13 +90,15 @@ def batch_fingerprint(x: torch.Tensor) -> torch.Tensor:
     its tokens (an embedding: the sum of its elements) each times a seeded random weight, the same on every rank:
     weights by position alone (the same in every row) summed rows swapped, or a position's tokens swapped between
     rows, to the same value. Embeddings are widened a slice of tokens at a time: B x S x hidden float64 numbers at
-    once would be four times a bf16 inputs_embeds (a [1, 1M, 4096] batch: 32 GiB)."""
+    once would be four times a bf16 inputs_embeds (a [1, 1M, 4096] batch: 32 GiB). Finite however non-finite the
+    embeddings: a NaN (or inf - inf) sum would be unequal to itself, and the same batch refused as another."""
     rows = x.reshape(x.shape[0] * x.shape[1], -1)
     step = max(1, FINGERPRINT_ELEMENTS // max(1, rows.shape[1]))
     flat = torch.cat([rows[i:i + step].double().sum(-1) for i in range(0, rows.shape[0], step)])
+    flat = flat.nan_to_num(nan=-0.5, posinf=1e300, neginf=-1e300)  # (a token's: finite, its sign kept)
     weights = torch.rand(flat.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     shape = [float(n) for n in (*x.shape[:2], x.numel())]
-    total = (flat * weights.to(x.device)).sum().view(1)  # (on the device: no host read)
+    total = (flat * weights.to(x.device)).sum().nan_to_num(nan=0.5).view(1)  # (on the device: no host read)
     return torch.cat([torch.tensor(shape, device=x.device, dtype=torch.float64), total])
 
 

@@ -126,6 +126,13 @@ PATCHES = (
           "fractional count that TRL clamps to 1); before transformers 5.19 it divides by the CP degree only when "
           "accelerate's ParallelismConfig sets one: the wrapper divides by ours", _CP_UNDO,
           ("self", "batch_samples", "device")),
+    Patch(_TRAINER, "get_batch_samples", "replaces", "under CP every rank of a group must build the same batch: a "
+          "collator drawing random numbers did not once a draw on one rank alone (a callback on the main process) "
+          "put the ranks' generators apart; the wrapper starts each step's batches from the group's first rank's "
+          "(`follow_first_ranks_generators`)", _CP_UNDO, ("self", "epoch_iterator", "num_batches", "device")),
+    Patch(_TRAINER, "evaluation_loop", "replaces", "as get_batch_samples, for the batches of an evaluation or a "
+          "prediction: the wrapper starts them from the CP group's first rank's generators", _CP_UNDO,
+          ("self", "dataloader", "description", "prediction_loss_only", "ignore_keys", "metric_key_prefix")),
     Patch(_TRAINER, "get_cp_size", "replaces", "the Trainer reads the CP degree (batch size, token count) from "
           "accelerate's ParallelismConfig only; ours comes from --cp_size or the curriculum's stage", _CP_UNDO,
           ("self",)),

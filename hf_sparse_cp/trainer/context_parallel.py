@@ -14,7 +14,7 @@ each CP group's batch once, the losses a step or an evaluation batch returns (wh
 without the shard during a CP forward is an error.
 `disable_trainer_context_parallel` undoes all of it. The pieces a curriculum of CP degrees reuses
 (`trainer/curriculum.py`) are public: `pad_token_id`, `dp_data_loader`, `count_once_per_cp_group`,
-`first_batch_of_each_run`, `cp_group_steps`.
+`follow_first_ranks_generators`, `first_batch_of_each_run`, `cp_group_steps`.
 """
 
 from __future__ import annotations
@@ -23,11 +23,14 @@ import contextlib
 import inspect
 import logging
 import os
+import random
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from accelerate.utils import str_to_bool
 from transformers import Trainer
 from transformers.trainer_pt_utils import find_batch_size
@@ -41,7 +44,7 @@ from ..distributed import (
     global_num_items,
     prepare_context_parallel_inputs,
 )
-from ..distributed.comm import all_reduce
+from ..distributed.comm import all_reduce, naming_unresponsive_ranks
 from ..distributed.loss import rank_loss
 from ..integration import compat
 from ..integration.architectures import (
@@ -70,7 +73,7 @@ from .callbacks import EvaluationStepsCallback
 from .generated_rows import check_generating_trainer, share_generation_batches
 from .router_loss import loss_share, model_loss_share, router_loss_over_cp_group
 from .stream_rows import count_stream, rank_stream_rows, read_whole_stream, stream_rows
-from .token_ids import CheckedCollate, vocabulary_of
+from .token_ids import CheckedCollate, label_classes_of, vocabulary_of
 from .whole_rows import check_whole_row_trainer, hook_whole_row_forwards, whole_sequence_outputs
 
 logger = logging.getLogger(__name__)
@@ -97,9 +100,9 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
     batches. accelerate's default for an iterable dataset (`run_clm.py --streaming`) is to dispatch: rank 0 reads
     a batch per process and splits them over all processes, whatever `num_processes` says, which hands the ranks
     of a CP group different rows. Raises ValueError, naming the fix, for a `dispatch_batches` the user set. Its
-    batches' token ids are checked against the model's vocabulary where they are built, on the host, and a composite
-    model's batches for its towers' inputs (`token_ids.CheckedCollate`): every rank of the group refuses a bad one
-    together."""
+    batches' token ids are checked against the model's vocabulary and their labels against its head's classes where
+    they are built, on the host, and a composite model's batches for its towers' inputs (`token_ids.CheckedCollate`):
+    every rank of the group refuses a bad one together."""
     from accelerate.data_loader import prepare_data_loader
 
     acc = trainer.accelerator
@@ -110,7 +113,7 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
             "rank 0 would read the batches and split them over all processes, so the ranks of a CP group would "
             "hold different rows. Drop it (or set '{\"dispatch_batches\": false}'): every process then reads "
             "the data itself, as it must build the same data (the same files, or seeded).")
-    vocabulary = vocabulary_of(trainer.model)
+    vocabulary, classes = vocabulary_of(trainer.model), label_classes_of(trainer.model)
     towers = bool(tower_names(trainer.model))
 
     def prepare(data_loader, device_placement=None, slice_fn_for_dispatch=None):
@@ -129,7 +132,7 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
         # torch loader it wraps, `base_dataloader`)
         loader = getattr(prepared, "base_dataloader", prepared)
         loader.worker_init_fn = compat.seed_workers_by(loader.worker_init_fn, parallel.dp_rank)
-        loader.collate_fn = CheckedCollate(loader.collate_fn, vocabulary, towers)
+        loader.collate_fn = CheckedCollate(loader.collate_fn, vocabulary, towers, classes)
         compat.track_data_loader(acc, prepared)
         count_stream(prepared)
         return prepared
@@ -170,6 +173,42 @@ def first_batch_of_each_run(trainer: Trainer) -> Callable[[], bool]:
         return True
 
     return first
+
+
+def follow_first_ranks_generators(trainer: Trainer, patches, parallel: Callable[[], ParallelDims]) -> None:
+    """Start each training step's batches, and each evaluation's or prediction's, on every rank of a CP group, from the
+    random generators (torch's CPU one, Python's, numpy's) of the group's first rank: a collator drawing from them (a
+    random crop) then builds the same batch on every rank, the one that one process builds. The ranks draw alike as
+    long as they run the same code, but a draw on the main process alone (a callback sampling a generation there) or
+    a CPU dropout of a rank's shard put the others' generators elsewhere, and from the next batch on the ranks trained
+    and evaluated on a mix of different rows, checked at a run's first batch only (`check_same_batch`). One broadcast
+    of the states (about 7 KB) per step and per evaluation loop, before its loader builds batches (`get_batch_samples`,
+    `evaluation_loop`: every rank alike); a loader's workers are seeded on their own (`compat.seed_workers_by`).
+    `parallel()` is the CP layout of the step in progress."""
+    compat.require("transformers.Trainer.get_batch_samples")
+    compat.require("transformers.Trainer.evaluation_loop")
+    get_batch_samples, evaluation_loop = trainer.get_batch_samples, trainer.evaluation_loop
+
+    def follow() -> None:
+        layout = parallel()
+        if layout.cp_size > 1:
+            states = [(torch.get_rng_state(), random.getstate(), np.random.get_state())]
+            with naming_unresponsive_ranks("the broadcast of the first CP rank's random generators", layout.cp_group):
+                dist.broadcast_object_list(states, src=layout.cp_ranks[0], group=layout.cp_group)
+            torch.set_rng_state(states[0][0])
+            random.setstate(states[0][1])
+            np.random.set_state(states[0][2])
+
+    def following_batch_samples(epoch_iterator, num_batches, device):
+        follow()
+        return get_batch_samples(epoch_iterator, num_batches, device)
+
+    def following_evaluation_loop(*args, **kwargs):
+        follow()
+        return evaluation_loop(*args, **kwargs)
+
+    patches.set_attr(trainer, "get_batch_samples", following_batch_samples)
+    patches.set_attr(trainer, "evaluation_loop", following_evaluation_loop)
 
 
 def count_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims], owns_cp: bool) -> None:
@@ -884,6 +923,7 @@ def enable_trainer_context_parallel(
         patches.on_undo(handle.remove)
     owns_cp = _accelerate_owns_cp(trainer)
     count_once_per_cp_group(trainer, patches, lambda: parallel, owns_cp)
+    follow_first_ranks_generators(trainer, patches, lambda: parallel)
     cp_group_steps(trainer, patches, lambda: parallel, prepare_inputs)
     if owns_cp:
         # accelerate's CP model preparation hooks every attention layer to drop its mask for SDPA's

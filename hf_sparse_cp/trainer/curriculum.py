@@ -62,6 +62,7 @@ from .context_parallel import (
     cp_group_steps,
     dp_data_loader,
     first_batch_of_each_run,
+    follow_first_ranks_generators,
     pad_token_id,
     step_inputs,
     warn_inexact,
@@ -564,6 +565,7 @@ def enable_curriculum(
     for handle in guard_context_parallel(model):
         patches.on_undo(handle.remove)
     count_once_per_cp_group(trainer, patches, curriculum.parallel, owns_cp=False)
+    follow_first_ranks_generators(trainer, patches, curriculum.parallel)
     cp_group_steps(trainer, patches, curriculum.parallel, prepare_inputs)
     # evaluation batches: sharded over the DP ranks of the stage in progress, whenever the loader is used
     patches.set_attr(trainer.accelerator, "prepare_data_loader",

@@ -1,7 +1,8 @@
 """A token id outside the model's vocabulary under CP 2 (#50): only the rank whose shard held it failed, in the
-embedding, while the other waited for it in the ring until the launcher ended it. The CP data loader now checks the
-ids where it builds each batch, on the host (no device read per step): both ranks refuse the batch together, naming
-the id, the vocabulary and the fix."""
+embedding, while the other waited for it in the ring until the launcher ended it; a label outside the LM head's
+classes (not -100) likewise, in the loss. The CP data loader now checks the ids and labels where it builds each batch,
+on the host (no device read per step): both ranks refuse the batch together, naming the id, the vocabulary and the
+fix."""
 
 import os
 import tempfile
@@ -14,7 +15,7 @@ from hf_sparse_cp.testing.spawn import run_gloo
 VOCAB = 259
 
 
-def _train(rank: int, world: int, bad: int) -> str:
+def _train(rank: int, world: int, bad: int, key: str = "input_ids") -> str:
     from transformers import AutoModelForCausalLM
 
     from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
@@ -22,8 +23,9 @@ def _train(rank: int, world: int, bad: int) -> str:
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     ids = torch.randint(3, VOCAB, (2, 256), generator=torch.Generator().manual_seed(0))
-    ids[1, 200] = bad  # the second step's batch; its shard on one rank only
-    rows = [{"input_ids": r, "labels": r} for r in ids]
+    labels = ids.clone()
+    (ids if key == "input_ids" else labels)[1, 200] = bad  # the second step's batch; its shard on one rank only
+    rows = [{"input_ids": r, "labels": t} for r, t in zip(ids, labels)]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=VOCAB))
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,3 +47,13 @@ def test_every_cp_rank_refuses_a_token_id_outside_the_vocabulary_together(bad):
     assert messages[0] == messages[1], messages
     assert f"token id {bad} at input_ids[0, 200]" in messages[0], messages
     assert f"{VOCAB} rows" in messages[0] and "resize_token_embeddings" in messages[0], messages
+
+
+@pytest.mark.parametrize("bad", [VOCAB + 5, -1])
+def test_every_cp_rank_refuses_a_label_outside_the_models_classes_together(bad):
+    """A target outside the LM head's classes (and not -100): one process fails in its loss; under CP only the rank
+    whose shard held it did, and the other waited for it in the loss's sum over the group until the timeout."""
+    messages = run_gloo(_train, 2, bad, "labels", timeout_s=120)
+    assert messages[0] == messages[1], messages
+    assert f"label {bad} at labels[0, 200]" in messages[0], messages
+    assert f"{VOCAB} classes" in messages[0] and "-100" in messages[0], messages

@@ -1,9 +1,11 @@
 """The ranks of a CP group must hold the same batch (issue #42): the Trainer checks it at the first step of a run
 and of its resume (once each, not at every step), and stops data built differently on each process with an
-error that names the fix."""
+error that names the fix. A collator drawing random numbers builds the same batch on every rank at every step (#50),
+however the ranks drew before it."""
 
 import os
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -88,9 +90,15 @@ def _refusals_of_rearranged_rows(rank: int, world: int) -> dict:
     swapped_pair[0, [3, 9]] = swapped_pair[0, [9, 3]]
     swapped_pair[1, [3, 9]] = swapped_pair[1, [9, 3]]
     embeds = torch.nn.functional.embedding(ids, torch.randn(259, 8, generator=torch.Generator().manual_seed(1)))
+    non_finite = embeds.clone()  # (a NaN, an inf and a -inf in the same batch on both ranks: the same batch)
+    non_finite[0, 40, 3], non_finite[1, 2, 0], non_finite[1, 50, 7] = float("nan"), float("inf"), -float("inf")
+    huge = embeds.double() * 1e307  # (sums past float64's range)
     cases = {"same": ("input_ids", ids, ids), "rows": ("input_ids", ids, ids.flip(0)),
              "column": ("input_ids", ids, swapped_column), "pairs": ("input_ids", ids, swapped_pair),
-             "embeds_same": ("inputs_embeds", embeds, embeds), "embeds_rows": ("inputs_embeds", embeds, embeds.flip(0))}
+             "embeds_same": ("inputs_embeds", embeds, embeds), "embeds_rows": ("inputs_embeds", embeds, embeds.flip(0)),
+             "non_finite_same": ("inputs_embeds", non_finite, non_finite),
+             "non_finite_rows": ("inputs_embeds", non_finite, non_finite.flip(0)),
+             "huge_same": ("inputs_embeds", huge, huge)}
     refused = {}
     for name, (key, mine, other) in cases.items():
         try:
@@ -102,6 +110,64 @@ def _refusals_of_rearranged_rows(rank: int, world: int) -> dict:
 
 
 def test_the_same_tokens_arranged_otherwise_on_one_rank_are_refused_as_another_batch():
+    """... and the same embeddings with a NaN or an infinity, or sums past float64's range, are the same batch (#50:
+    their fingerprint was NaN, unequal to itself, and CP 2 refused the batch as different rows, where one process
+    trains on it, to NaN weights)."""
     for rank in run_gloo(_refusals_of_rearranged_rows, 2, timeout_s=300):
         assert rank == {"same": False, "rows": True, "column": True, "pairs": True, "embeds_same": False,
-                        "embeds_rows": True}
+                        "embeds_rows": True, "non_finite_same": False, "non_finite_rows": True, "huge_same": False}
+
+
+def _random_crop(rows: list[dict]) -> dict:
+    """A collator that crops the rows at a random start, drawn from the global RNGs (torch's, Python's, numpy's)."""
+    import random
+
+    import numpy as np
+
+    start = int(torch.randint(0, 24, ())) + random.randrange(24) + int(np.random.randint(24))
+    ids = torch.stack([r["input_ids"][start:start + 160] for r in rows])
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _cropped_run(rank: int, world: int) -> list[float]:
+    """Four steps of CP `world` (or one process) on randomly cropped rows, evaluated on such rows every two, while a
+    callback draws random numbers on the main process only (one that samples a generation there): the losses and
+    eval_losses logged."""
+    import random
+    import tempfile
+
+    import numpy as np
+    from transformers import TrainerCallback
+
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+
+    class DrawOnMainProcess(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                torch.rand(3), random.random(), np.random.rand()
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama")).double()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = SparseTrainingArguments(
+            output_dir=tmp, max_steps=4, per_device_train_batch_size=1, learning_rate=1e-3, logging_steps=1,
+            report_to="none", save_strategy="no", use_cpu=True, cp_size=world, sparse_block_size=32,
+            sparse_min_seq_len=128, train_sampling_strategy="sequential", remove_unused_columns=False,
+            eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=1)
+        trainer = SparseTrainer(model=model, args=args, train_dataset=_rows(0), eval_dataset=_rows(1)[:3],
+                                data_collator=_random_crop, callbacks=[DrawOnMainProcess()])
+        trainer.train()
+    return [log[key] for log in trainer.state.log_history for key in ("loss", "eval_loss") if key in log]
+
+
+def test_a_collator_drawing_random_numbers_crops_as_one_process_after_draws_on_the_main_process_only():
+    """A random collator under CP 2 while the main process alone draws random numbers after each step (#50): the
+    other rank's generators fell behind rank 0's, so from the third step on the two ranks cropped other rows and
+    trained on a mix of the two (5.6068 logged against one process's 5.5984), and evaluated so (eval_loss 5.4571
+    against 5.4534), unchecked after the first step. The CP group now starts each step's batches and each evaluation's
+    from its first rank's generators, which are one process's."""
+    (one,) = run_gloo(_cropped_run, 1, timeout_s=180)
+    for losses in run_gloo(_cropped_run, 2, timeout_s=180):
+        assert losses == pytest.approx(one, rel=1e-6), (losses, one)
