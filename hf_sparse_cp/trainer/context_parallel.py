@@ -370,10 +370,27 @@ def dropout_note(model: torch.nn.Module) -> str | None:
                if isinstance(p := getattr(module, attr, None), float) and p > 0]
     if not active:
         return None
+    fields = _dropout_fields(model)
     return (f"context parallelism: {len(active)} dropout modules drop activations (e.g. {active[0]}): each CP rank "
             "draws the masks of its own shard, so this run equals a run without CP in distribution, not to rounding. "
             "For a run that must compare with one process, set them to 0 (LoRA: --lora_dropout 0; else the model "
-            "config's dropout fields).")
+            f"config's dropout fields{': ' + ', '.join(fields) if fields else ''}).")
+
+
+def _dropout_fields(model: torch.nn.Module) -> list[str]:
+    """The fields of `model`'s config that set a dropout above 0 (`name=value`), and a token-classification head's
+    `classifier_dropout` where the config sets neither it nor `hidden_dropout`: transformers' head then drops 0.1, a
+    value no config.json shows."""
+    config = getattr(model.get_base_model() if hasattr(model, "get_base_model") else model, "config", None)
+    if config is None:
+        return []
+    fields = [f"{name}={value}" for name, value in config.to_dict().items()
+              if "dropout" in name and isinstance(value, float) and value > 0]
+    if model_head(model) == TOKEN_CLASSIFICATION and all(
+            getattr(config, name, None) is None for name in ("classifier_dropout", "hidden_dropout")):
+        fields.append('classifier_dropout, unset, which the token-classification head takes as 0.1 (add '
+                      '"classifier_dropout": 0.0 to the config)')
+    return fields
 
 
 def random_routing_note(model: torch.nn.Module) -> str | None:
