@@ -409,10 +409,27 @@ def dropout_note(model: torch.nn.Module) -> str | None:
                if isinstance(p := getattr(module, attr, None), float) and p > 0]
     if not active:
         return None
+    fields = _dropout_fields(model)
     return (f"context parallelism: {len(active)} dropout modules drop activations (e.g. {active[0]}): each CP rank "
             "draws the masks of its own shard, so this run equals a run without CP in distribution, not to rounding. "
             "For a run that must compare with one process, set them to 0 (LoRA: --lora_dropout 0; else the model "
-            "config's dropout fields).")
+            f"config's dropout fields{': ' + ', '.join(fields) if fields else ''}).")
+
+
+def _dropout_fields(model: torch.nn.Module) -> list[str]:
+    """The fields of `model`'s config that set a dropout above 0 (`name=value`), and a token-classification head's
+    `classifier_dropout` where the config sets neither it nor `hidden_dropout`: transformers' head then drops 0.1, a
+    value no config.json shows."""
+    config = getattr(model.get_base_model() if hasattr(model, "get_base_model") else model, "config", None)
+    if config is None:
+        return []
+    fields = [f"{name}={value}" for name, value in config.to_dict().items()
+              if "dropout" in name and isinstance(value, float) and value > 0]
+    if model_head(model) == TOKEN_CLASSIFICATION and all(
+            getattr(config, name, None) is None for name in ("classifier_dropout", "hidden_dropout")):
+        fields.append('classifier_dropout, unset, which the token-classification head takes as 0.1 (add '
+                      '"classifier_dropout": 0.0 to the config)')
+    return fields
 
 
 def random_routing_note(model: torch.nn.Module) -> str | None:
@@ -514,10 +531,12 @@ def smooth_labels_over_cp_group(trainer: Trainer, patches, parallel: Callable[[]
     (`heads.TOKEN_CLASSIFICATION`: transformers' forward drops the loss keywords, its loss is its shard's mean), on the
     shard's unshifted labels, and a decoder's of an encoder-decoder family (`computes_unshifted_loss`: the mean of
     its labels unshifted, whatever keywords it gets; it was refused under CP), over the group's count of those
-    labels, not the Trainer's count of shifted ones. A sequence-classification head's pooled logits and row labels are
-    the batch's on every rank (`heads.BATCH_OUTPUT_HEADS`): the stock smoother smooths them (`cp_group_steps` takes
-    the rank's share). `parallel()` is the CP layout of the step in progress (constant, or a curriculum's stage); a
-    stage at CP 1 runs the stock smoother (the model's loss)."""
+    labels, not the Trainer's count of shifted ones. With gradient accumulation the token-classification head's count
+    is its micro-batch's (`_micro_batch_count`), not the accumulated window's the Trainer hands it: one process sums
+    the micro-batches' own means (the Trainer divides none by the steps). A sequence-classification head's pooled
+    logits and row labels are the batch's on every rank (`heads.BATCH_OUTPUT_HEADS`): the stock smoother smooths them
+    (`cp_group_steps` takes the rank's share). `parallel()` is the CP layout of the step in progress (constant, or a
+    curriculum's stage); a stage at CP 1 runs the stock smoother (the model's loss)."""
     smoother, prepare = trainer.label_smoother, getattr(trainer, compat.TRAINER_CP_INPUTS)
     head = model_head(trainer.model)
     # (the decoder of an encoder-decoder family: its forward's loss is the mean of its labels unshifted, whatever the
@@ -559,6 +578,13 @@ def smooth_labels_over_cp_group(trainer: Trainer, patches, parallel: Callable[[]
             count = global_num_items(labels, par.cp_group, ignore_index)
             scaled_by_trainer = num_items_in_batch is not None and trainer.args.average_tokens_across_devices
             num_items_in_batch = count if scaled_by_trainer else None
+        elif (own_loss and head == TOKEN_CLASSIFICATION and num_items_in_batch is not None and trainer.model.training
+              and trainer.args.gradient_accumulation_steps > 1):
+            # (the head's loss is each micro-batch's own mean, which the Trainer does not divide by the accumulation
+            # steps, as it hands a model that takes loss keywords the accumulated window's count: one process sums the
+            # micro-batches' means. In training only, where every rank steps; an evaluation counts one batch)
+            num_items_in_batch = _micro_batch_count(labels, par, trainer.args.average_tokens_across_devices,
+                                                    ignore_index)
         if num_items_in_batch is not None:
             return smoother(model_output, labels, num_items_in_batch=num_items_in_batch)
         loss_sum = smoother(model_output, labels, num_items_in_batch=1)
@@ -606,6 +632,16 @@ class NEFTuneNoise:
         magnitude = self.alpha / torch.sqrt(torch.tensor(length * output.size(2)))
         noise = output.new_zeros(output.size(0), length, *output.shape[2:]).uniform_(-magnitude, magnitude)
         return output + (noise if shard is None else shard.plan.shard(noise, shard.rank, pad_value=0.0))
+
+
+def _micro_batch_count(labels: torch.Tensor, parallel: ParallelDims, averaged: bool, ignore_index: int) -> torch.Tensor:
+    """The Trainer's loss token count (`num_items_in_batch`, in the form `count_once_per_cp_group` gives it) of the
+    micro-batch whose shard's targets are `labels` alone, not of the accumulated window: every DP group's batch where
+    the count is averaged across devices (the shards of every rank: each CP group's batch once), else the CP group's
+    times the DP degree. Collective."""
+    if averaged:
+        return global_num_items(labels, ignore_index=ignore_index)
+    return global_num_items(labels, parallel.cp_group, ignore_index) * parallel.dp_size
 
 
 def _count_for_batch_mean(shift_labels: torch.Tensor, parallel: ParallelDims) -> torch.Tensor:

@@ -32,6 +32,7 @@ import functools
 import logging
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -487,13 +488,24 @@ def _sparse_trainer_class(base: type[Trainer]) -> type:
 @functools.cache
 def _tear_down_at_exit() -> None:
     """At interpreter exit, end the process groups while the interpreter is whole (once per process); where the
-    script destroyed them itself, still let the gloo workers finish before the interpreter finalises."""
+    script destroyed them itself, or the process ends on an uncaught exception, still let the gloo workers finish
+    before the interpreter finalises."""
 
     def tear_down() -> None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if _ending_on_an_exception():
+            # (this rank alone may have failed, after training: the others, inside another collective, would keep
+            # its exit barrier waiting until the group's timeout; its exit ends the job through the launcher)
+            settle_gloo_workers()
+        elif torch.distributed.is_available() and torch.distributed.is_initialized():
             quiesce_process_groups()
             torch.distributed.destroy_process_group()
         else:
             settle_gloo_workers()  # (a group the script still holds, a device mesh's, outlives the destroy)
 
     atexit.register(tear_down)
+
+
+def _ending_on_an_exception() -> bool:
+    """Whether the interpreter ends on an uncaught exception: python records it (`sys.last_exc`; before 3.12
+    `sys.last_value`) as it prints it, before the exit handlers run."""
+    return getattr(sys, "last_exc", getattr(sys, "last_value", None)) is not None

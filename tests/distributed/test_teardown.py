@@ -6,6 +6,7 @@ path settles before the teardown."""
 
 from __future__ import annotations
 
+import sys
 import types
 
 import torch.distributed as dist
@@ -62,3 +63,23 @@ def test_a_refusal_settles_before_it_destroys_the_group(monkeypatch, tmp_path):
         if dist.is_initialized():
             destroy()
     assert calls == ["settle", "destroy"]
+
+
+def test_exit_handler_on_an_uncaught_exception_settles_without_the_barrier(monkeypatch):
+    """A rank that ends on an uncaught exception after training (run_clm.py's save_model on rank 0 alone, refusing
+    the model's config) leaves the others inside another collective (evaluate()'s gather): its exit handler settles
+    its workers and neither waits at the exit barrier nor destroys the group, so the launcher ends the job on its
+    exit at once (before: the barrier waited on the others until the group's timeout, 30 minutes by default)."""
+    calls: list[str] = []
+    handlers = []
+    monkeypatch.setattr(sparse_trainer, "settle_gloo_workers", _recording(calls, "settle"))
+    monkeypatch.setattr(sparse_trainer, "quiesce_process_groups", _recording(calls, "quiesce"))
+    monkeypatch.setattr(sparse_trainer.atexit, "register", handlers.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", _recording(calls, "destroy"))
+    monkeypatch.setattr(sys, "last_value", ValueError("the script's error, as python sets it once printed"),
+                        raising=False)
+    sparse_trainer._tear_down_at_exit.__wrapped__()
+    (handler,) = handlers
+    handler()
+    assert calls == ["settle"]

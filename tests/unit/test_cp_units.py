@@ -434,6 +434,24 @@ def test_dropout_under_cp_is_named_with_the_flag_that_turns_it_off():
     assert dropout_note(AutoModelForCausalLM.from_config(tiny_config("llama"))) is None
 
 
+def test_dropout_under_cp_names_the_config_field_that_sets_it():
+    """A token-classification head drops 0.1 where its config sets no `classifier_dropout` (run_ner.py on a Qwen2 or
+    Llama checkpoint, whose config.json has none): the warning names that field, unset, and the value to give it, and
+    a config's dropout fields above 0 by name and value; the head with `classifier_dropout` 0 gets none."""
+    from transformers import AutoModelForTokenClassification
+
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.context_parallel import dropout_note
+
+    note = dropout_note(AutoModelForTokenClassification.from_config(tiny_config("qwen2", num_labels=3)))
+    assert "dropout (p=0.1)" in note and '"classifier_dropout": 0.0' in note and "unset" in note
+    note = dropout_note(AutoModelForTokenClassification.from_config(tiny_config("qwen2", num_labels=3,
+                                                                                classifier_dropout=0.2)))
+    assert "classifier_dropout=0.2" in note and "unset" not in note
+    model = AutoModelForTokenClassification.from_config(tiny_config("qwen2", num_labels=3, classifier_dropout=0.0))
+    assert dropout_note(model) is None
+
+
 @pytest.mark.parametrize("model_type, fields, named", [
     ("phimoe", {"router_jitter_noise": 0.0}, "modeling_phimoe.sparsemixer"),  # samples experts in training
     ("phimoe", {}, "router_jitter_noise=0.01"),
