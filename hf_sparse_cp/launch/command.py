@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+import shlex
 import sys
 import zipfile
 from collections.abc import Sequence
@@ -176,6 +177,54 @@ def _trl_command(target: str, is_module: bool) -> bool:
     return os.path.basename(target) == "trl"
 
 
+def _trl_script_line(command: str, flags: Sequence[str], args: Sequence[str]) -> str | None:
+    """The command line that runs what `trl {command} ARGS` runs, with the plugin, where ARGS hold accelerate's
+    options: TRL's command line hands accelerate launch the arguments its script's parser does not take (and its
+    `--accelerate_config` as a --config_file), which that script's own parser would refuse (`--num_processes`: "did
+    you mean --dataset_num_proc"). `flags` (the plugin's, before the script) and the plugin flags among ARGS stay with
+    the script. None where ARGS hold none of accelerate's options, or TRL's split of them fails (the launched script
+    then says why)."""
+    try:
+        from trl.cli.accelerate_config import resolve_accelerate_config_argument
+
+        parser = importlib.import_module(f"trl.scripts.{command}").make_parser(prog=f"trl {command}")
+        given, from_file = list(args), []
+        if "--config" in given:  # (as TRL's parser reads it, without building its arguments: no checks of them)
+            i = given.index("--config")
+            with open(given[i + 1]) as file:
+                config = yaml.safe_load(file)
+            from_file = parser.set_defaults_with_config(**{k: v for k, v in config.items() if k != "env"})
+            del given[i:i + 2]
+        rest = parser.parse_known_args(given)[1]
+        accelerate = _SplitParser(allow_abbrev=False).parse_known_args(rest)[1]  # (the plugin's flags: the script's)
+        if not accelerate and not from_file:
+            return None
+        launch = resolve_accelerate_config_argument(list(from_file) + accelerate)
+    except (ImportError, AttributeError, OSError, IndexError, TypeError, ValueError, SystemExit, _Refused):
+        return None
+    script, left = [], list(accelerate)
+    for arg in args:  # (args less accelerate's, in order: TRL's `_subtract_subsequence`)
+        if left and arg == left[0]:
+            left.pop(0)
+        else:
+            script.append(arg)
+    return shlex.join(["accelerate", "launch", *launch, "-m", "hf_sparse_cp.run", *flags, "-m",
+                       f"trl.scripts.{command}", *script])
+
+
+def _without(flags: Sequence[str], options: Sequence[str]) -> list[str]:
+    """`flags` less the launcher's `options` (one value each, `--nproc 2` or `--nproc=2`)."""
+    kept, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag in options:
+            skip = True
+        elif not flag.startswith(tuple(f"{option}=" for option in options)):
+            kept.append(flag)
+    return kept
+
+
 def _not_python(path: str) -> str | None:
     """Why the file at `path` is no Python script that python would run (a shell script, a binary, a syntax error),
     as each launched process would fail on it with a SyntaxError under the launcher's traceback; None when it is one
@@ -213,6 +262,8 @@ def check_command(flags: Sequence[str], target: str | None, is_module: bool, opt
         why = (f"{target} (TRL's command line) starts its training script in new processes through accelerate "
                "launch, which the plugin does not reach: it would train without it. Run the script that "
                f"`trl {command}` starts instead, with the arguments after {command}: -m trl.scripts.{command}")
+        if line := _trl_script_line(command, _without(flags, options), args[1:] if args[:1] == [command] else args):
+            why += f"; as `trl {command}` would run it: `{line}`"
     elif target is None and is_module:
         why = "-m needs the module to run after it (e.g. -m trl.scripts.sft)"
     elif target is None:

@@ -227,6 +227,26 @@ def test_trls_command_line_which_would_train_without_the_plugin_is_refused_namin
     assert err.endswith("-m trl.scripts.dpo.\n"), err
 
 
+def test_trls_command_line_with_accelerate_options_is_refused_naming_the_whole_command_that_runs_it(capsys, tmp_path):
+    """`trl sft ARGS` hands accelerate launch the arguments its script's parser does not take: with those among
+    them, the script's module alone was no fix (its parser refused --num_processes: 'did you mean
+    --dataset_num_proc'). The refusal names the accelerate launch line TRL would run, with the plugin, the plugin's
+    flags kept with the script, a --config file's keys of accelerate's too (the launcher's own options dropped)."""
+    from hf_sparse_cp import cli as launch_cli
+
+    config = tmp_path / "sft.yaml"
+    config.write_text("max_steps: 1\nmixed_precision: 'no'\n")
+    err = _refused(capsys, ["--cp_size", "2", "trl", "sft", "--output_dir", "o", "--num_processes", "2",
+                            "--sparse_config", "trial", "--config", str(config), "--max_length", "64"])
+    assert err.endswith(f"as `trl sft` would run it: `accelerate launch --mixed_precision no --num_processes 2 -m "
+                        f"hf_sparse_cp.run --cp_size 2 -m trl.scripts.sft --output_dir o --sparse_config trial "
+                        f"--config {config} --max_length 64`.\n"), err
+    err = _refused(capsys, ["launch", "--nproc", "2", "-m", "trl.cli", "dpo", "--output_dir", "o",
+                            "--accelerate_config", "zero2"], launch_cli.main)
+    assert re.search(r"`accelerate launch --config_file \S+/zero2\.yaml -m hf_sparse_cp\.run -m trl\.scripts\.dpo "
+                     r"--output_dir o`\.\n$", err), err
+
+
 def test_the_launchers_help_lists_the_common_flags_first(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")
     with pytest.raises(SystemExit):
