@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping
 
 from accelerate import PartialState
@@ -42,7 +43,8 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
         DDP); False when there is nothing to do (no FSDP asked for, or accelerate already runs it).
 
     Raises:
-        ValueError: FSDP version 1 or CPU offload asked for on CPU processes (`check_cpu_fsdp_version`).
+        ValueError: FSDP version 1 or CPU offload asked for on CPU processes (`check_cpu_fsdp_version`); a PEFT model
+            under FSDP's own activation checkpointing (`check_peft_checkpointing`).
     """
     require_trainer(trainer, "enable_cpu_fsdp2(trainer)")
     plugin_args, state = trainer.args.fsdp_plugin_args, trainer.accelerator.state
@@ -56,6 +58,7 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
         return False
     check_cpu_fsdp_version(trainer.args)  # (FSDP1 and CPU offload, named with their fix)
     plugin = FullyShardedDataParallelPlugin(**plugin_args)
+    check_peft_checkpointing(trainer.model, plugin)
     if state.mixed_precision != "no":  # what accelerate's state does with the plugin on a GPU
         plugin.set_mixed_precision(state.mixed_precision)
     patches = record_on(trainer, _FEATURE)
@@ -110,6 +113,19 @@ def check_cpu_fsdp_version(args: TrainingArguments, env: Mapping[str, str] = os.
         raise ValueError("--load_best_model_at_end under FSDP reloads the best checkpoint's FSDP state "
                          "(pytorch_model_fsdp.bin), which --save_only_model does not save: drop --save_only_model or "
                          "--load_best_model_at_end.")
+
+
+def check_peft_checkpointing(model: object, plugin: FullyShardedDataParallelPlugin) -> None:
+    """Raise ValueError, naming the fix, when `model` is a PEFT model and `plugin` turns on FSDP's own activation
+    checkpointing: the run trained, then saved an adapter without weights. The checkpoint wrapper renames the modules
+    (`layers.0._checkpoint_wrapped_module.self_attn.q_proj`), PEFT picks the adapter's weights from the state dict by
+    those names, and the state dict gathered from FSDP2's shards keeps the plain ones: nothing matched."""
+    peft = sys.modules.get("peft")  # (a model is a PEFT model only where `peft` was imported)
+    if plugin.activation_checkpointing and peft is not None and isinstance(model, peft.PeftModel):
+        raise ValueError("A PEFT model under FSDP's own activation checkpointing (activation_checkpointing in the FSDP "
+                         "config) saves an adapter without weights (PEFT looks them up under the checkpoint wrapper's "
+                         "module names, which the gathered state dict does not use): drop activation_checkpointing "
+                         "from the FSDP config and set --gradient_checkpointing instead.")
 
 
 def _plugin_setting(args: TrainingArguments, env: Mapping[str, str], key: str, variable: str) -> tuple[bool, bool]:
