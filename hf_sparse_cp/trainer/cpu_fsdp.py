@@ -131,7 +131,8 @@ def check_peft_checkpointing(model: object, plugin: FullyShardedDataParallelPlug
         raise ValueError("A PEFT model under FSDP's own activation checkpointing (activation_checkpointing in the FSDP "
                          "config) saves an adapter without weights (PEFT looks them up under the checkpoint wrapper's "
                          "module names, which the gathered state dict does not use): drop activation_checkpointing "
-                         "from the FSDP config and set --gradient_checkpointing instead.")
+                         "from the FSDP config and set the Trainer's --gradient_checkpointing instead "
+                         "(--activation_checkpointing where transformers has it).")
 
 
 def check_auto_wrap_policy(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin) -> None:

@@ -3,7 +3,7 @@
 keys and leaves the adapter untrained. PEFT picks the adapter's weights by the names of the model's LoRA modules,
 which the checkpoint wrapper renames (`layers.0._checkpoint_wrapped_module.self_attn...`), while the gathered state
 dict keeps the plain names. The plugin refuses the pair as it builds the Trainer, naming --gradient_checkpointing (the
-Trainer's checkpointing, whose adapters save whole)."""
+Trainer's checkpointing, whose adapters save whole: --activation_checkpointing in newer transformers)."""
 
 import os
 import re
@@ -15,8 +15,8 @@ from fsdp2_runs import rows
 from padding import pad_collate
 
 REFUSAL = (r"^A PEFT model under FSDP's own activation checkpointing \(activation_checkpointing in the FSDP config\) "
-           r"saves an adapter without weights .*: drop activation_checkpointing from the FSDP config and set "
-           r"--gradient_checkpointing instead\.$")
+           r"saves an adapter without weights .*: drop activation_checkpointing from the FSDP config and set the "
+           r"Trainer's --gradient_checkpointing instead \(--activation_checkpointing where transformers has it\)\.$")
 
 
 def _build(rank: int, world: int, source: str) -> list[str]:
