@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping
 
+import torch
 from accelerate import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, parse_flag_from_env, str_to_bool
+from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 from transformers import Trainer, TrainingArguments
 
 from ..integration.given import require_trainer
@@ -42,7 +46,9 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
         DDP); False when there is nothing to do (no FSDP asked for, or accelerate already runs it).
 
     Raises:
-        ValueError: FSDP version 1 or CPU offload asked for on CPU processes (`check_cpu_fsdp_version`).
+        ValueError: FSDP version 1 or CPU offload asked for on CPU processes (`check_cpu_fsdp_version`); a PEFT model
+            under FSDP's own activation checkpointing (`check_peft_checkpointing`); an auto-wrap policy that
+            accelerate's FSDP2 fails on (`check_auto_wrap_policy`).
     """
     require_trainer(trainer, "enable_cpu_fsdp2(trainer)")
     plugin_args, state = trainer.args.fsdp_plugin_args, trainer.accelerator.state
@@ -56,6 +62,9 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
         return False
     check_cpu_fsdp_version(trainer.args)  # (FSDP1 and CPU offload, named with their fix)
     plugin = FullyShardedDataParallelPlugin(**plugin_args)
+    if trainer.model is not None:  # (None until `train()` with a model_init)
+        check_peft_checkpointing(trainer.model, plugin)
+        check_auto_wrap_policy(trainer.model, plugin)
     if state.mixed_precision != "no":  # what accelerate's state does with the plugin on a GPU
         plugin.set_mixed_precision(state.mixed_precision)
     patches = record_on(trainer, _FEATURE)
@@ -110,6 +119,50 @@ def check_cpu_fsdp_version(args: TrainingArguments, env: Mapping[str, str] = os.
         raise ValueError("--load_best_model_at_end under FSDP reloads the best checkpoint's FSDP state "
                          "(pytorch_model_fsdp.bin), which --save_only_model does not save: drop --save_only_model or "
                          "--load_best_model_at_end.")
+
+
+def check_peft_checkpointing(model: object, plugin: FullyShardedDataParallelPlugin) -> None:
+    """Raise ValueError, naming the fix, when `model` is a PEFT model and `plugin` turns on FSDP's own activation
+    checkpointing: the run trained, then saved an adapter without weights. The checkpoint wrapper renames the modules
+    (`layers.0._checkpoint_wrapped_module.self_attn.q_proj`), PEFT picks the adapter's weights from the state dict by
+    those names, and the state dict gathered from FSDP2's shards keeps the plain ones: nothing matched."""
+    peft = sys.modules.get("peft")  # (a model is a PEFT model only where `peft` was imported)
+    if plugin.activation_checkpointing and peft is not None and isinstance(model, peft.PeftModel):
+        raise ValueError("A PEFT model under FSDP's own activation checkpointing (activation_checkpointing in the FSDP "
+                         "config) saves an adapter without weights (PEFT looks them up under the checkpoint wrapper's "
+                         "module names, which the gathered state dict does not use): drop activation_checkpointing "
+                         "from the FSDP config and set the Trainer's --gradient_checkpointing instead "
+                         "(--activation_checkpointing where transformers has it).")
+
+
+def check_auto_wrap_policy(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin) -> None:
+    """Raise ValueError, naming the fix, where accelerate's FSDP2 fails on `model` under `plugin`'s auto-wrap policy,
+    which it met in `train()`, after the data and model were built, with messages that named no fix: a
+    transformer_layer_cls_to_wrap naming no class of the model; SIZE_BASED_WRAP selecting a module list (FSDP2
+    shards only modules with a forward) or a module holding the embeddings or the LM head (accelerate then shards
+    those inside the sharded module again). The layer classes named are the model's `_no_split_modules`."""
+    if plugin.auto_wrap_policy is None:
+        return
+    layers = ", ".join(getattr(model, "_no_split_modules", None) or []) or "see the model's decoder layer class"
+    try:
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    except ValueError as error:  # ('Could not find the transformer layer class X in the model.')
+        raise ValueError(f"{str(error).rstrip('.')}: name a class of the model's layers in "
+                         f"transformer_layer_cls_to_wrap (this model's layers: {layers}).") from error
+    if getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy) is not size_based_auto_wrap_policy:
+        return
+    carved = [getattr(model, name, lambda: None)() for name in ("get_input_embeddings", "get_output_embeddings")]
+    carved = [module for module in carved if module is not None]  # (what accelerate shards apart, as it reads them)
+    for name, module in reversed(list(model.named_modules())):  # (inner modules first, as accelerate shards them)
+        if not name or module in carved or not policy(module):
+            continue
+        container = isinstance(module, torch.nn.ModuleList | torch.nn.ModuleDict)
+        if container or any(inner in carved for inner in module.modules()):
+            what = "module list" if container else "module holding the embeddings or LM head"
+            raise ValueError(f"SIZE_BASED_WRAP's min_num_params ({plugin.min_num_params}) wraps the {what} {name} "
+                             f"({sum(p.numel() for p in module.parameters())} parameters), which accelerate's FSDP2 "
+                             "cannot shard: use TRANSFORMER_BASED_WRAP with transformer_layer_cls_to_wrap (this "
+                             f"model's layers: {layers}).")
 
 
 def _plugin_setting(args: TrainingArguments, env: Mapping[str, str], key: str, variable: str) -> tuple[bool, bool]:

@@ -1,0 +1,61 @@
+"""accelerate's FSDP2 auto-wrap policies on CPU processes, which failed in `train()` (after the processes had built
+their data and model) with messages that named no fix: SIZE_BASED_WRAP with a `min_num_params` below a module
+list's parameters selects the list (`model.layers`), which FSDP2 cannot shard ('fully_shard does not support
+containers that do not implement forward: ModuleList(...)'); with one above the layers, the module holding the
+embeddings, which accelerate then shards again inside it; a `transformer_layer_cls_to_wrap` naming no class of the
+model ('Could not find the transformer layer class NoSuchLayer in the model.'). The plugin refuses them as the Trainer
+is built, naming the fix; a `min_num_params` that wraps nothing but the root trains."""
+
+import os
+import re
+import tempfile
+
+import pytest
+import torch
+from fsdp2_runs import rows
+from padding import pad_collate
+
+LAYERS = r"use TRANSFORMER_BASED_WRAP with transformer_layer_cls_to_wrap \(this model's layers: LlamaDecoderLayer\)\.$"
+CASES = {
+    "size-list": ({"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1000},
+                  r"^SIZE_BASED_WRAP's min_num_params \(1000\) wraps the module list model\.layers \(295424 "
+                  r"parameters\), which accelerate's FSDP2 cannot shard: " + LAYERS),
+    # (accelerate then shards the embeddings inside the sharded model: 'Invariant encountered: value was None')
+    "size-embeddings": ({"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 295424},
+                        r"^SIZE_BASED_WRAP's min_num_params \(295424\) wraps the module holding the embeddings or LM "
+                        r"head model \(307968 parameters\), which accelerate's FSDP2 cannot shard: " + LAYERS),
+    "class": ({"auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "transformer_layer_cls_to_wrap": ["NoSuchLayer"]},
+              r"^Could not find the transformer layer class NoSuchLayer in the model: name a class of the model's "
+              r"layers in transformer_layer_cls_to_wrap \(this model's layers: LlamaDecoderLayer\)\.$"),
+    "size-above-the-model": ({"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 10**8}, None),
+}
+
+
+def _build(rank: int, world: int, case: str) -> list[str]:
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97))
+    with tempfile.TemporaryDirectory() as tmp:
+        args = SparseTrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, max_steps=1,
+                                       per_device_train_batch_size=1, save_strategy="no", sparse_attention=False,
+                                       fsdp="full_shard", fsdp_config={"fsdp_version": 2, **CASES[case][0]})
+        try:
+            trainer = SparseTrainer(model=model, args=args, train_dataset=rows()[:2], data_collator=pad_collate)
+        except ValueError as error:
+            return [str(error)]
+        trainer.train()  # (min_num_params above the model: the root alone is sharded, the run trains)
+    return []
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_auto_wrap_policy_that_fsdp2_fails_on_is_refused_as_the_trainer_is_built(case):
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    message = CASES[case][1]
+    for errors in run_gloo(_build, 2, case, timeout_s=300):
+        assert (errors == []) if message is None else (len(errors) == 1 and re.match(message, errors[0])), errors
