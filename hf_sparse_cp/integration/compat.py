@@ -131,7 +131,9 @@ PATCHES = (
           "put the ranks' generators apart; the wrapper starts each step's batches from the group's first rank's "
           "(`follow_first_ranks_generators`)", _CP_UNDO, ("self", "epoch_iterator", "num_batches", "device")),
     Patch(_TRAINER, "evaluation_loop", "replaces", "as get_batch_samples, for the batches of an evaluation or a "
-          "prediction: the wrapper starts them from the CP group's first rank's generators", _CP_UNDO,
+          "prediction: the wrapper starts them from the CP group's first rank's generators; Seq2SeqTrainer's "
+          "evaluate() and predict() set its gather to accelerate's `gather`, which kept each row of a CP group's "
+          "batch cp_size times: the wrapper gathers them once per CP group", _CP_UNDO,
           ("self", "dataloader", "description", "prediction_loss_only", "ignore_keys", "metric_key_prefix")),
     Patch(_TRAINER, "get_cp_size", "replaces", "the Trainer reads the CP degree (batch size, token count) from "
           "accelerate's ParallelismConfig only; ours comes from --cp_size or the curriculum's stage", _CP_UNDO,

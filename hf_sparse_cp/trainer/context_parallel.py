@@ -839,7 +839,9 @@ def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Calla
     sums of token entropy, correct top-1 tokens and label tokens, its MoE auxiliary loss, which it averages): the
     wrapper keeps every rank's, grouped by sample over the CP group (each sample's cp_size shard values together), and
     truncates a short last batch by whole samples, so that a sum over them is the batch's and a mean the mean over its
-    shards (the stock truncation kept the first rank's shard alone)."""
+    shards (the stock truncation kept the first rank's shard alone). Seq2SeqTrainer's evaluation loop gathers with
+    accelerate's `gather` instead, untruncated: the wrapper of `evaluation_loop` swaps it for one that keeps each CP
+    group's values once, untruncated alike."""
     from accelerate.utils import gather_object, recursively_apply
 
     acc = trainer.accelerator
@@ -877,12 +879,40 @@ def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Calla
                 return by_rank.movedim(1, 2).flatten(0, 1)[:cut].flatten(0, 1)
         else:
             def grouped(t):  # [dp x n samples, ...]: each CP group's first rank's
-                return t.reshape(par.world_size, -1, *t.shape[1:])[ranks[:, 0].to(t.device)].flatten(0, 1)[:cut]
+                return _first_ranks_values(t, par)[:cut]
 
         return recursively_apply(grouped, acc.gather(input_data))
 
+    def gather_untruncated(input_data):
+        par = parallel()
+        if par.cp_size == 1 or par.world_size == 1:
+            return acc.gather(input_data)
+        return recursively_apply(lambda t: _first_ranks_values(t, par), acc.gather(input_data))
+
+    evaluation_loop = trainer.evaluation_loop
+
+    def evaluating(*args, **kwargs):
+        # Seq2SeqTrainer's evaluate() and predict() gather with accelerate's `gather`, untruncated (with
+        # `predict_with_generate`, its generated tokens): every rank of a CP group evaluates the group's batch, so each
+        # row was kept cp_size times (predictions and labels of 3 rows: 6). Keep each CP group's once, as untruncated
+        if trainer.gather_function == acc.gather:
+            trainer.gather_function = gather_untruncated
+        try:
+            return evaluation_loop(*args, **kwargs)
+        finally:  # (the loop sets its gather back to gather_for_metrics when it ends; one that raised leaves ours)
+            if trainer.gather_function is gather_untruncated:
+                trainer.gather_function = acc.gather
+
     patches.set_attr(acc, "gather_for_metrics", gather)
     patches.set_attr(trainer, "gather_function", gather)
+    patches.set_attr(trainer, "evaluation_loop", evaluating)
+
+
+def _first_ranks_values(gathered: torch.Tensor, parallel: ParallelDims) -> torch.Tensor:
+    """The values of each CP group's first rank, in data-parallel order, of a gather over all ranks ([world x n, ...]:
+    rank-major)."""
+    first = torch.tensor(parallel.cp_groups)[:, 0].to(gathered.device)
+    return gathered.reshape(parallel.world_size, -1, *gathered.shape[1:])[first].flatten(0, 1)
 
 
 def _refuse_group_settings(cp_config: ContextParallelConfig, world_size: int) -> None:
