@@ -122,8 +122,18 @@ def guard_context_parallel(model: torch.nn.Module) -> list:
             model.register_forward_hook(_leave_cp_forward, with_kwargs=True, always_call=True)]
 
 
+# How many forwards with the CP shard began in this process (`cp_forwards_begun`).
+_BEGUN = [0]
+
+
+def cp_forwards_begun() -> int:
+    """How many forwards of a model `guard_context_parallel` hooks began with the CP shard in this process so far."""
+    return _BEGUN[0]
+
+
 def _enter_cp_forward(module: torch.nn.Module, args, kwargs) -> None:
     if kwargs.get(CP_SHARD_KWARG) is not None:
+        _BEGUN[0] += 1
         module.__dict__.setdefault(_GUARD_TOKENS, []).append(_CP_FORWARD.set(kwargs[CP_SHARD_KWARG]))
         _count_in_progress(1)
 

@@ -53,7 +53,7 @@ from ..integration.architectures import (
     gathered_router_loss,
     model_router_loss_modules,
 )
-from ..integration.backend import cp_forward_shard, guard_context_parallel, model_config_for
+from ..integration.backend import cp_forward_shard, cp_forwards_begun, guard_context_parallel, model_config_for
 from ..integration.composite import tower_names
 from ..integration.given import require_instance, require_trainer
 from ..integration.heads import (
@@ -721,6 +721,7 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
 
     def step(model, inputs, *rest, **kwargs):
         rows[0], stream_last[0] = find_batch_size(inputs), None
+        begun = cp_forwards_begun()
         with stepping(False):
             if noise is not None:
                 noise.on = True
@@ -729,6 +730,8 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
             finally:
                 if noise is not None:
                     noise.on = False
+        if parallel().cp_size > 1 and cp_forwards_begun() == begun:
+            _say_unsplit_step(trainer, parallel().cp_size)
         return _cp_group_mean(loss, parallel())
 
     # (TRL SFTTrainer's loss divides by the count it is handed, else by its inputs' targets, a shard's; the Trainer's
@@ -906,6 +909,22 @@ def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Calla
     patches.set_attr(acc, "gather_for_metrics", gather)
     patches.set_attr(trainer, "gather_function", gather)
     patches.set_attr(trainer, "evaluation_loop", evaluating)
+
+
+def _say_unsplit_step(trainer: Trainer, cp_size: int) -> None:
+    """Warn once per trainer that a training step ran no forward on a CP shard: its `training_step` ran the model on
+    the batch itself, outside the Trainer's prepared inputs (TRL's experimental OnlineDPOTrainer; a script's own
+    step): every rank of the group then computes the whole rows, one process's result without CP's memory saving, while
+    the run's start said each sequence was split."""
+    if trainer.__dict__.get("_hf_sparse_cp_said_unsplit"):
+        return
+    trainer.__dict__["_hf_sparse_cp_said_unsplit"] = True
+    logger.warning(
+        "Context parallelism (CP %d) split no sequence in this training step: %s.training_step runs the model on the "
+        "batch itself, outside the Trainer's prepared inputs (its compute_loss), so every rank of a CP group "
+        "computed the whole rows: one process's result, with none of CP's memory saving. Drop --cp_size (data "
+        "parallelism trains on more rows a step with the same processes), or compute the step's loss through the "
+        "Trainer's compute_loss.", cp_size, type(trainer).__qualname__)
 
 
 def _first_ranks_values(gathered: torch.Tensor, parallel: ParallelDims) -> torch.Tensor:
