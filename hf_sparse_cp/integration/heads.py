@@ -41,7 +41,8 @@ BATCH_OUTPUT_HEADS = {SEQUENCE_CLASSIFICATION: 1, QUESTION_ANSWERING: 2}
 _HEAD_LAYERS = {SEQUENCE_CLASSIFICATION: "score", QUESTION_ANSWERING: "qa_outputs"}
 
 
-def _base(model: torch.nn.Module) -> torch.nn.Module:
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`, or the model a PEFT model wraps (`get_base_model`)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
@@ -49,7 +50,7 @@ def model_head(model: torch.nn.Module) -> str | None:
     """`LANGUAGE_MODEL` (`get_output_embeddings()` set), `TOKEN_CLASSIFICATION`, `SEQUENCE_CLASSIFICATION` or
     `QUESTION_ANSWERING` (a class whose forward is transformers' generic one of that head: the forwards this module is
     exact for), else None (a head's forward of an architecture's own: GPT-2's)."""
-    base = _base(model)
+    base = base_model(model)
     head = getattr(base, "get_output_embeddings", None)
     if head is not None and head() is not None:
         return LANGUAGE_MODEL
@@ -93,7 +94,7 @@ def pool_over_cp_group(model: torch.nn.Module) -> torch.utils.hooks.RemovableHan
     batch's outputs on every rank of a forward under context parallelism (see the module docstring); outside one it is
     untouched. Returns the hook's handle (remove it to undo); the hook is a module-level function: the model still
     pickles."""
-    base, head = _base(model), model_head(model)
+    base, head = base_model(model), model_head(model)
     hook = (functools.partial(_pooled_at_every_position, base.config) if head == SEQUENCE_CLASSIFICATION
             else _whole_sequence)
     return getattr(base, _HEAD_LAYERS[head]).register_forward_hook(hook)

@@ -213,16 +213,11 @@ def _trl_script_line(command: str, flags: Sequence[str], args: Sequence[str]) ->
 
 
 def _without(flags: Sequence[str], options: Sequence[str]) -> list[str]:
-    """`flags` less the launcher's `options` (one value each, `--nproc 2` or `--nproc=2`)."""
-    kept, skip = [], False
-    for flag in flags:
-        if skip:
-            skip = False
-        elif flag in options:
-            skip = True
-        elif not flag.startswith(tuple(f"{option}=" for option in options)):
-            kept.append(flag)
-    return kept
+    """`flags` less the launcher's `options` (one value each, `--nproc 2` or `--nproc=2`), as argparse reads them."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for option in options:
+        parser.add_argument(option)
+    return parser.parse_known_args(list(flags))[1]
 
 
 def _not_python(path: str) -> str | None:

@@ -61,6 +61,7 @@ from ..integration.heads import (
     LANGUAGE_MODEL,
     SEQUENCE_CLASSIFICATION,
     TOKEN_CLASSIFICATION,
+    base_model,
     model_head,
     pool_over_cp_group,
 )
@@ -420,7 +421,7 @@ def _dropout_fields(model: torch.nn.Module) -> list[str]:
     """The fields of `model`'s config that set a dropout above 0 (`name=value`), and a token-classification head's
     `classifier_dropout` where the config sets neither it nor `hidden_dropout`: transformers' head then drops 0.1, a
     value no config.json shows."""
-    config = getattr(model.get_base_model() if hasattr(model, "get_base_model") else model, "config", None)
+    config = getattr(base_model(model), "config", None)
     if config is None:
         return []
     fields = [f"{name}={value}" for name, value in config.to_dict().items()
@@ -608,7 +609,7 @@ def neftune_over_cp_group(trainer: Trainer, patches) -> NEFTuneNoise | None:
     if alpha is None:
         return None
     model = trainer.model
-    embeddings = (model.get_base_model() if hasattr(model, "get_base_model") else model).get_input_embeddings()
+    embeddings = base_model(model).get_input_embeddings()
     noise = NEFTuneNoise(alpha)
     patches.set_attr(trainer, "neftune_noise_alpha", None)  # (the Trainer then never adds its hook)
     patches.on_undo(embeddings.register_forward_hook(noise).remove)
@@ -874,9 +875,9 @@ def _gather_metrics_once_per_cp_group(trainer: Trainer, patches, parallel: Calla
             data = gather_object(input_data)
             n = len(data) // par.world_size
             return [x for g in par.cp_groups for x in data[g[0] * n:(g[0] + 1) * n]][:cut]
-        # [data-parallel group, CP rank] -> global rank
-        ranks = torch.tensor(par.cp_groups)
         if in_step():
+            ranks = torch.tensor(par.cp_groups)  # [data-parallel group, CP rank] -> global rank
+
             def grouped(t):  # [dp x n samples x cp, ...]: each sample's shard values together
                 by_rank = t.reshape(par.world_size, -1, *t.shape[1:])[ranks.to(t.device)]
                 return by_rank.movedim(1, 2).flatten(0, 1)[:cut].flatten(0, 1)

@@ -19,7 +19,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ..distributed.inputs import TOKEN_TYPE_KEYS, check_text_only
-from ..integration.heads import LANGUAGE_MODEL, TOKEN_CLASSIFICATION, model_head
+from ..integration.heads import LANGUAGE_MODEL, TOKEN_CLASSIFICATION, base_model, model_head
 
 IGNORE_INDEX = -100  # (the target the Trainer's losses skip)
 LABEL_KEYS = ("labels", "shift_labels")  # (per-token targets a collator may give)
@@ -78,7 +78,7 @@ def label_classes_of(model: torch.nn.Module) -> int | None:
     or its token-classification head's labels; None for another head (a sequence-classification head's labels are
     per row, scored on every rank of the group)."""
     head = model_head(model)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     if head == LANGUAGE_MODEL:
         weight = getattr(base.get_output_embeddings(), "weight", None)
         return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else None
