@@ -39,6 +39,7 @@ from hf_sparse_cp.launch.launched import (
 )
 from hf_sparse_cp.launch.refusals import end_refused, exit_refused
 from hf_sparse_cp.trainer.arguments import is_flag_error
+from hf_sparse_cp.trainer.sparse_trainer import note_failing_exit
 
 USAGE = f"{PROG} [PLUGIN FLAGS] (script.py | -m module) [SCRIPT ARGS]"
 
@@ -107,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         except SystemExit as e:
             if e.code not in (0, None):
                 _explain_refused_plugin_flags(target, run, args)
+                note_failing_exit(e.code)
             raise
         except (ValueError, TypeError, OSError) as e:
             if not is_flag_error(e):  # (a bug keeps its traceback)

@@ -183,8 +183,9 @@ def follow_first_ranks_generators(trainer: Trainer, patches, parallel: Callable[
     long as they run the same code, but a draw on the main process alone (a callback sampling a generation there) or
     a CPU dropout of a rank's shard put the others' generators elsewhere, and from the next batch on the ranks trained
     and evaluated on a mix of different rows, checked at a run's first batch only (`check_same_batch`). One broadcast
-    of the states (about 7 KB) per step and per evaluation loop, before its loader builds batches (`get_batch_samples`,
-    `evaluation_loop`: every rank alike); a loader's workers are seeded on their own (`compat.seed_workers_by`).
+    of the states (about 7 KB) per training step and per evaluation batch, before the loader builds batches
+    (`get_batch_samples`; `evaluation_loop`'s every draw from its loader, as a callback's `on_prediction_step` may draw
+    between them): every rank alike; a loader's workers are seeded on their own (`compat.seed_workers_by`).
     `parallel()` is the CP layout of the step in progress."""
     compat.require("transformers.Trainer.get_batch_samples")
     compat.require("transformers.Trainer.evaluation_loop")
@@ -204,12 +205,35 @@ def follow_first_ranks_generators(trainer: Trainer, patches, parallel: Callable[
         follow()
         return get_batch_samples(epoch_iterator, num_batches, device)
 
-    def following_evaluation_loop(*args, **kwargs):
-        follow()
-        return evaluation_loop(*args, **kwargs)
+    def following_evaluation_loop(dataloader, *args, **kwargs):
+        return evaluation_loop(_FollowingLoader(dataloader, follow), *args, **kwargs)
 
     patches.set_attr(trainer, "get_batch_samples", following_batch_samples)
     patches.set_attr(trainer, "evaluation_loop", following_evaluation_loop)
+
+
+class _FollowingLoader:
+    """`loader` (an evaluation's), each of whose batches is drawn after `follow()`: accelerate's loader builds a
+    batch ahead, during the draw of the one before, so each build follows the call made just before its draw."""
+
+    def __init__(self, loader, follow: Callable[[], None]):
+        self._loader, self._follow = loader, follow
+
+    def __iter__(self):
+        batches = iter(self._loader)
+        while True:
+            self._follow()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self._loader)  # (TypeError for a loader without one, as the Trainer's `has_length` expects)
+
+    def __getattr__(self, name: str):
+        return getattr(self._loader, name)  # (the Trainer reads `dataset`, `batch_size`; callbacks what they need)
 
 
 def count_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], ParallelDims], owns_cp: bool) -> None:

@@ -505,7 +505,17 @@ def _tear_down_at_exit() -> None:
     atexit.register(tear_down)
 
 
+_failing_exit: list[int] = []  # (a failing exit code the launcher saw leave the script; python keeps none)
+
+
+def note_failing_exit(code: object) -> None:
+    """Record that the script left with `sys.exit(code)`, `code` not 0 or None (the launcher sees it leave
+    `run_target`): this rank may fail alone, so its exit handler skips the exit barrier as on an uncaught exception."""
+    _failing_exit.append(code)
+
+
 def _ending_on_an_exception() -> bool:
     """Whether the interpreter ends on an uncaught exception: python records it (`sys.last_exc`; before 3.12
-    `sys.last_value`) as it prints it, before the exit handlers run."""
-    return getattr(sys, "last_exc", getattr(sys, "last_value", None)) is not None
+    `sys.last_value`) as it prints it, before the exit handlers run; or on a failing `sys.exit` the launcher saw
+    (`note_failing_exit`), which python does not record."""
+    return bool(_failing_exit) or getattr(sys, "last_exc", getattr(sys, "last_value", None)) is not None

@@ -131,8 +131,8 @@ def _random_crop(rows: list[dict]) -> dict:
 
 def _cropped_run(rank: int, world: int) -> list[float]:
     """Four steps of CP `world` (or one process) on randomly cropped rows, evaluated on such rows every two, while a
-    callback draws random numbers on the main process only (one that samples a generation there): the losses and
-    eval_losses logged."""
+    callback draws random numbers on the main process only (one that samples a generation there) after each step and
+    each evaluation batch: the losses and eval_losses logged."""
     import random
     import tempfile
 
@@ -147,6 +147,8 @@ def _cropped_run(rank: int, world: int) -> list[float]:
         def on_step_end(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
                 torch.rand(3), random.random(), np.random.rand()
+
+        on_prediction_step = on_step_end  # (between an evaluation's batches)
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama")).double()
@@ -167,7 +169,8 @@ def test_a_collator_drawing_random_numbers_crops_as_one_process_after_draws_on_t
     other rank's generators fell behind rank 0's, so from the third step on the two ranks cropped other rows and
     trained on a mix of the two (5.6068 logged against one process's 5.5984), and evaluated so (eval_loss 5.4571
     against 5.4534), unchecked after the first step. The CP group now starts each step's batches and each evaluation's
-    from its first rank's generators, which are one process's."""
+    from its first rank's generators, which are one process's; each of an evaluation's batches too (a draw between
+    them, in a callback's on_prediction_step, cropped the evaluation's later rows otherwise)."""
     (one,) = run_gloo(_cropped_run, 1, timeout_s=180)
     for losses in run_gloo(_cropped_run, 2, timeout_s=180):
         assert losses == pytest.approx(one, rel=1e-6), (losses, one)

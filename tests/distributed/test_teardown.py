@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import types
 
+import pytest
 import torch.distributed as dist
 
 from hf_sparse_cp.launch import refusals
@@ -83,3 +84,33 @@ def test_exit_handler_on_an_uncaught_exception_settles_without_the_barrier(monke
     (handler,) = handlers
     handler()
     assert calls == ["settle"]
+
+
+@pytest.mark.parametrize("code, skips_the_barrier", [(3, True), ("a message", True), (0, False), (None, False)])
+def test_a_script_leaving_with_a_failing_exit_code_skips_the_exit_barrier(tmp_path, monkeypatch, code,
+                                                                          skips_the_barrier):
+    """A script that ends with `sys.exit(1)` on one rank after training (its own check of the results failing
+    there alone) leaves the others in another collective, as an uncaught exception does, but python records no
+    exception for it: the launcher notes the code, so its exit handler neither waits at the barrier (before: until
+    the group's timeout) nor destroys the group. A clean `sys.exit(0)` keeps the barrier."""
+    from hf_sparse_cp.run import main as run
+
+    (tmp_path / "leave.py").write_text(f"import sys\nsys.exit({code!r})\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sparse_trainer, "_failing_exit", [])
+    with pytest.raises(SystemExit) as leaving:
+        run(["leave.py"])
+    assert leaving.value.code == code
+    calls: list[str] = []
+    handlers = []
+    monkeypatch.setattr(sparse_trainer, "settle_gloo_workers", _recording(calls, "settle"))
+    monkeypatch.setattr(sparse_trainer, "quiesce_process_groups", _recording(calls, "quiesce"))
+    monkeypatch.setattr(sparse_trainer.atexit, "register", handlers.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", _recording(calls, "destroy"))
+    for name in ("last_exc", "last_value"):
+        monkeypatch.delattr(sys, name, raising=False)
+    sparse_trainer._tear_down_at_exit.__wrapped__()
+    (handler,) = handlers
+    handler()
+    assert calls == (["settle"] if skips_the_barrier else ["quiesce", "destroy"])
