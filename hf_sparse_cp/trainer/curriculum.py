@@ -364,7 +364,8 @@ class Curriculum:
         self.index: int | None = None
         # The model's own pattern: a stage's is a training setting, like its CP degree (see `finish`).
         self.pattern = getattr(trainer.model.config, MODEL_CONFIG_ATTRIBUTE, None)
-        self.finished = False  # training ended (`finish`); a new train() begins it again
+        # In a train() call (`_FinishCurriculum`): outside one, before training too, the model keeps its own pattern.
+        self.training = False
 
     def finish(self) -> None:
         """At the end of training, the model's own pattern back on it (recorded): the model saved after
@@ -372,15 +373,16 @@ class Curriculum:
         prediction of the trained model (`stage`)."""
         store_pattern(self.trainer.model, self.pattern, self.patches)
         self.index = None
-        self.finished = True
+        self.training = False
 
     def stage(self) -> int:
         """The stage of the step being taken; on entering a stage in training, its sparse pattern goes onto the
-        model. After training (an evaluation of the trained model, whose CP layout is its last step's stage's) the
-        model keeps its own pattern: put back on it, the last stage's went into a model saved after the evaluation
-        (stock run_clm's push_to_hub comes after its evaluation)."""
+        model. Outside training (an evaluation of the trained model, whose CP layout is its last step's stage's, or a
+        baseline one before train(), at the first stage's) the model keeps its own pattern: put back on it, the last
+        stage's went into a model saved after the evaluation (stock run_clm's push_to_hub comes after its evaluation),
+        the first stage's into one saved after an evaluation before training."""
         index = self.schedule.index_at(self.trainer.state.global_step)
-        if self.finished:
+        if not self.training:
             return index
         if index != self.index:
             self.index = index
@@ -421,7 +423,7 @@ class _FinishCurriculum(TrainerCallback):
         self.curriculum = curriculum
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.curriculum.finished = False
+        self.curriculum.training = True
 
     def on_train_end(self, args, state, control, **kwargs):
         self.curriculum.finish()
@@ -544,7 +546,6 @@ def enable_curriculum(
     pad_id = pad_token_id(trainer, model)
     patches = record_on(trainer, _FEATURE)
     curriculum = Curriculum(trainer, schedule, dims, patches)
-    store_pattern(model, schedule.configs[0].to_dict(), patches)
 
     checked_stages: set[int] = set()  # the stages whose first batch was checked, in this train() call
     first_batch = first_batch_of_each_run(trainer)

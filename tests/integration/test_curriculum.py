@@ -682,6 +682,22 @@ def test_an_evaluation_after_training_leaves_the_run_s_own_pattern_on_the_model(
     assert trainer.model.config.sparse_attention == PATTERN.to_dict()
 
 
+def test_an_evaluation_before_training_leaves_the_model_s_own_pattern_on_it(tmp_path):
+    """A baseline evaluation before train() (scripts with --do_eval evaluate first) put the first stage's pattern on
+    the model and left it there: a model saved then (an evaluation-only run's save) carried the stage's vertical_topk
+    32, not its own 16. Outside training the model keeps its own pattern; training still runs each stage's."""
+    trainer = _one_process(tmp_path, "0:128:1:vertical_topk=32,1:128:1", _stage_data(_samples(), 0, NUM_SAMPLES, 128))
+    trainer.eval_dataset = _stage_data(_samples(), 0, 2, 128)
+    seen = []
+    trainer.model.register_forward_pre_hook(
+        lambda module, args: seen.append(module.config.sparse_attention["budget"]["vertical_topk"]))
+    assert "eval_loss" in trainer.evaluate()
+    assert seen == [16] and trainer.model.config.sparse_attention == PATTERN.to_dict()
+    trainer.train()
+    assert seen[1:] == [32, 16]  # each step ran its stage's pattern
+    assert trainer.model.config.sparse_attention == PATTERN.to_dict()
+
+
 def test_epoch_strategies_act_at_the_end_of_each_pass_over_the_data(tmp_path):
     """A curriculum's sampler is one Trainer epoch of the whole run, so --save_strategy, --eval_strategy and
     --logging_strategy epoch saved, evaluated and logged once, at the last step, where a run without a schedule does so
