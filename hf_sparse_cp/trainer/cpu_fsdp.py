@@ -46,9 +46,8 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
         DDP); False when there is nothing to do (no FSDP asked for, or accelerate already runs it).
 
     Raises:
-        ValueError: FSDP version 1 or CPU offload asked for on CPU processes (`check_cpu_fsdp_version`); a PEFT model
-            under FSDP's own activation checkpointing (`check_peft_checkpointing`); an auto-wrap policy that
-            accelerate's FSDP2 fails on (`check_auto_wrap_policy`).
+        ValueError: FSDP version 1 or CPU offload asked for on CPU processes (`check_cpu_fsdp_version`); what FSDP2
+            fails on with the trainer's model (`check_fsdp2_model`).
     """
     require_trainer(trainer, "enable_cpu_fsdp2(trainer)")
     plugin_args, state = trainer.args.fsdp_plugin_args, trainer.accelerator.state
@@ -62,9 +61,7 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
         return False
     check_cpu_fsdp_version(trainer.args)  # (FSDP1 and CPU offload, named with their fix)
     plugin = FullyShardedDataParallelPlugin(**plugin_args)
-    if trainer.model is not None:  # (None until `train()` with a model_init)
-        check_peft_checkpointing(trainer.model, plugin)
-        check_auto_wrap_policy(trainer.model, plugin)
+    check_fsdp2_model(trainer.model, plugin)
     if state.mixed_precision != "no":  # what accelerate's state does with the plugin on a GPU
         plugin.set_mixed_precision(state.mixed_precision)
     patches = record_on(trainer, _FEATURE)
@@ -119,6 +116,17 @@ def check_cpu_fsdp_version(args: TrainingArguments, env: Mapping[str, str] = os.
         raise ValueError("--load_best_model_at_end under FSDP reloads the best checkpoint's FSDP state "
                          "(pytorch_model_fsdp.bin), which --save_only_model does not save: drop --save_only_model or "
                          "--load_best_model_at_end.")
+
+
+def check_fsdp2_model(model: torch.nn.Module | None, plugin: FullyShardedDataParallelPlugin | None) -> None:
+    """Raise ValueError, naming the fix, where FSDP2 under `plugin` (CPU processes' or accelerate's own on
+    accelerators; None without FSDP) fails on `model` (None until `train()` with a model_init): a PEFT model under
+    FSDP's own activation checkpointing (`check_peft_checkpointing`); an auto-wrap policy accelerate's FSDP2 fails on
+    (`check_auto_wrap_policy`)."""
+    if model is None or plugin is None or str(plugin.fsdp_version) != "2":
+        return
+    check_peft_checkpointing(model, plugin)
+    check_auto_wrap_policy(model, plugin)
 
 
 def check_peft_checkpointing(model: object, plugin: FullyShardedDataParallelPlugin) -> None:
