@@ -67,6 +67,7 @@ from .backend import (
 from .call_tokens import NonCausalMask
 from .composite import backend_selection, in_tower, switched_to, tower_names
 from .given import require_model
+from .heads import base_model
 from .interfaces import registered_for_a_check
 from .positions import unhooked_length_counted_tables
 
@@ -131,7 +132,7 @@ def _probe(target: torch.nn.Module, device: torch.device | str, with_shard: bool
 def _architecture(model: torch.nn.Module) -> torch.nn.Module:
     """`model`'s architecture (a PEFT model's base) built from a copy of its config on the meta device (no
     memory, no compute), switched to the backend."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     with torch.device("meta"):
         shadow = type(base)(copy.deepcopy(base.config))
     shadow.set_attn_implementation(backend_selection(shadow.config, BACKEND_NAME))
@@ -313,7 +314,7 @@ def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
     neither runs or the backend is not registered (the backend checks every call then)."""
     if not is_registered():
         return []
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     try:
         shadow = _architecture(model)
         calls = _probe(shadow, "meta", with_shard=False)

@@ -63,8 +63,7 @@ def check_token_ids(batch: Any, rows: int, replaced: frozenset[int] = frozenset(
         bad = (ids < 0) | (ids >= rows)
         if replaced:
             bad &= ~torch.isin(ids, torch.tensor(sorted(replaced), dtype=ids.dtype, device=ids.device))
-        if bool(bad.any()):
-            where = tuple(bad.nonzero()[0].tolist())
+        if (where := _first_true(bad)) is not None:
             raise ValueError(
                 f"token id {int(ids[where])} at {key}{list(where)} is outside the model's vocabulary: its input "
                 f"embedding has {rows} rows (ids 0 to {rows - 1}). Under context parallelism the rank whose shard "
@@ -97,8 +96,7 @@ def check_label_ids(batch: Any, classes: int) -> None:
         if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
             continue
         bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= classes))
-        if bool(bad.any()):
-            where = tuple(bad.nonzero()[0].tolist())
+        if (where := _first_true(bad)) is not None:
             raise ValueError(
                 f"label {int(labels[where])} at {key}{list(where)} is outside the model's {classes} classes (its head "
                 f"scores 0 to {classes - 1}; {IGNORE_INDEX} marks a token without a target). One process fails in the "
@@ -131,3 +129,8 @@ class CheckedCollate:
         if self.classes is not None:
             check_label_ids(batch, self.classes)
         return batch
+
+
+def _first_true(bad: torch.Tensor) -> tuple[int, ...] | None:
+    """The index of `bad`'s first True entry (the one an error names); None where it has none."""
+    return tuple(bad.nonzero()[0].tolist()) if bool(bad.any()) else None

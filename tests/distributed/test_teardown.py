@@ -66,11 +66,8 @@ def test_a_refusal_settles_before_it_destroys_the_group(monkeypatch, tmp_path):
     assert calls == ["settle", "destroy"]
 
 
-def test_exit_handler_on_an_uncaught_exception_settles_without_the_barrier(monkeypatch):
-    """A rank that ends on an uncaught exception after training (run_clm.py's save_model on rank 0 alone, refusing
-    the model's config) leaves the others inside another collective (evaluate()'s gather): its exit handler settles
-    its workers and neither waits at the exit barrier nor destroys the group, so the launcher ends the job on its
-    exit at once (before: the barrier waited on the others until the group's timeout, 30 minutes by default)."""
+def _exit_handler_calls(monkeypatch) -> list[str]:
+    """What the exit handler does at exit in a process whose group is up: settle, quiesce (the barrier), destroy."""
     calls: list[str] = []
     handlers = []
     monkeypatch.setattr(sparse_trainer, "settle_gloo_workers", _recording(calls, "settle"))
@@ -78,12 +75,20 @@ def test_exit_handler_on_an_uncaught_exception_settles_without_the_barrier(monke
     monkeypatch.setattr(sparse_trainer.atexit, "register", handlers.append)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "destroy_process_group", _recording(calls, "destroy"))
-    monkeypatch.setattr(sys, "last_value", ValueError("the script's error, as python sets it once printed"),
-                        raising=False)
     sparse_trainer._tear_down_at_exit.__wrapped__()
     (handler,) = handlers
     handler()
-    assert calls == ["settle"]
+    return calls
+
+
+def test_exit_handler_on_an_uncaught_exception_settles_without_the_barrier(monkeypatch):
+    """A rank that ends on an uncaught exception after training (run_clm.py's save_model on rank 0 alone, refusing
+    the model's config) leaves the others inside another collective (evaluate()'s gather): its exit handler settles
+    its workers and neither waits at the exit barrier nor destroys the group, so the launcher ends the job on its
+    exit at once (before: the barrier waited on the others until the group's timeout, 30 minutes by default)."""
+    monkeypatch.setattr(sys, "last_value", ValueError("the script's error, as python sets it once printed"),
+                        raising=False)
+    assert _exit_handler_calls(monkeypatch) == ["settle"]
 
 
 @pytest.mark.parametrize("code, skips_the_barrier", [(3, True), ("a message", True), (0, False), (None, False)])
@@ -101,16 +106,6 @@ def test_a_script_leaving_with_a_failing_exit_code_skips_the_exit_barrier(tmp_pa
     with pytest.raises(SystemExit) as leaving:
         run(["leave.py"])
     assert leaving.value.code == code
-    calls: list[str] = []
-    handlers = []
-    monkeypatch.setattr(sparse_trainer, "settle_gloo_workers", _recording(calls, "settle"))
-    monkeypatch.setattr(sparse_trainer, "quiesce_process_groups", _recording(calls, "quiesce"))
-    monkeypatch.setattr(sparse_trainer.atexit, "register", handlers.append)
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "destroy_process_group", _recording(calls, "destroy"))
     for name in ("last_exc", "last_value"):
         monkeypatch.delattr(sys, name, raising=False)
-    sparse_trainer._tear_down_at_exit.__wrapped__()
-    (handler,) = handlers
-    handler()
-    assert calls == (["settle"] if skips_the_barrier else ["quiesce", "destroy"])
+    assert _exit_handler_calls(monkeypatch) == (["settle"] if skips_the_barrier else ["quiesce", "destroy"])
