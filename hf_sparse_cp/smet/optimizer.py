@@ -93,8 +93,8 @@ class SMETAdam(torch.optim.Optimizer):
         self.last_replaced_fraction = 0.0
         self._grids: dict[int, tuple[torch.Tensor, BlockGrid]] = {}
         self._hooks: dict[int, tuple[torch.Tensor, Any]] = {}
-        # Per sparse weight, before a gradient-regrowth update: the gradient its hook masked away (see mask_gradient).
-        self._masked_grads: dict[int, torch.Tensor] = {}
+        # Per sparse weight, before a gradient-regrowth update: its whole gradient as its hook saw it (mask_gradient).
+        self._kept_grads: dict[int, torch.Tensor] = {}
 
     # ---- set-up ----
 
@@ -205,8 +205,10 @@ class SMETAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def mask_gradient(self, param: torch.Tensor) -> None:
         """Zero the gradient of `param`'s inactive blocks; before a topology update that regrows by
-        gradient, keep what is zeroed (summed over micro-batches: after the first, the inactive blocks
-        hold only the new micro-batch's gradient), so that `step` scores the whole gradient."""
+        gradient, first keep a copy of the whole gradient as it stands (its inactive blocks summed over
+        micro-batches: after the first, they hold only the new micro-batch's gradient; its active blocks
+        as `param.grad` accumulates them), so that `step` scores all of it as it was before clipping or a
+        loss scaler's unscaling scale what is left in `param.grad`."""
         state = self.state.get(param)
         if not state or "block_index" not in state or param.grad is None:
             return
@@ -214,15 +216,16 @@ class SMETAdam(torch.optim.Optimizer):
         grad = grid.blocks(local(param.grad))
         inactive = grid.inactive(state["block_index"])
         if self._regrowth_scores_needed(int(state["step"].item()) + 1, grid):
-            masked = grad.masked_fill(~inactive, 0).contiguous()  # (contiguous: it may be all-reduced)
-            previous = self._masked_grads.get(id(param))
-            self._masked_grads[id(param)] = masked if previous is None else previous.add_(masked)
+            previous = self._kept_grads.get(id(param))
+            # (a contiguous copy: it may be all-reduced; the active blocks' earlier micro-batches are in `grad`)
+            self._kept_grads[id(param)] = (grad.clone(memory_format=torch.contiguous_format) if previous is None
+                                             else previous.masked_fill_(~inactive, 0).add_(grad))
         grad.masked_fill_(inactive, 0)
 
     def discard_masked_gradients(self) -> None:
-        """Forget the gradients the hooks masked away since the last step: call it when a step was skipped (a
+        """Forget the gradients the hooks kept since the last step: call it when a step was skipped (a
         GradScaler step that found inf or NaN), whose gradient must not reach the next update's regrowth scores."""
-        self._masked_grads.clear()
+        self._kept_grads.clear()
 
     # ---- the update ----
 
@@ -260,13 +263,16 @@ class SMETAdam(torch.optim.Optimizer):
         (keyed by `id(param)`): the L1 norm of every block of the step's whole gradient, as one process
         computes it on the whole batch, so every rank and every parallel layout decides alike.
 
-        That gradient is the active blocks' gradient in `param.grad` (reduced by DDP or FSDP2) plus the
-        inactive blocks' gradient the hooks masked away. FSDP2 runs the hooks on the reduce-scattered
-        (under HSDP also all-reduced) gradient shard, so a DTensor parameter's masked part is already
+        That gradient is the one the hooks kept (`mask_gradient`), not `param.grad`: clipping and a loss
+        scaler's unscaling scale `param.grad` after the hooks, uniformly, which leaves the blocks' ranking
+        alone only where it scales every block; scoring the blocks just pruned (active in this backward, so
+        in `param.grad`) by their scaled gradient against the others' unscaled one did not (clipped to a
+        hundredth of the norm, none of them came back). FSDP2 runs the hooks on the reduce-scattered
+        (under HSDP also all-reduced) gradient shard, so a DTensor parameter's kept gradient is already
         reduced. DDP (and so the Trainer's context parallelism on CPU, which is DDP over the CP ranks)
-        averages gradients after the hooks have run, so each rank masked away its own micro-batches' or
-        sequence shard's part: for plain parameters, replicated on every rank, it is averaged over all
-        ranks here as DDP averages the rest (one all-reduce per matrix, at topology-update steps only).
+        averages gradients after the hooks have run, so each rank kept its own micro-batches' or sequence
+        shard's gradient: for plain parameters, replicated on every rank, it is averaged over all ranks
+        here as DDP averages it (one all-reduce per matrix, at topology-update steps only).
         A norm of summed gradients is not the sum of their norms, so the reduction comes before the norm.
         """
         masked, replicated = {}, []
@@ -274,13 +280,13 @@ class SMETAdam(torch.optim.Optimizer):
             if not group["smet"] or param.grad is None:
                 continue
             grid = self._grid(param)
-            held = self._masked_grads.pop(id(param), None)
+            held = self._kept_grads.pop(id(param), None)
             if not self._regrowth_scores_needed(int(self.state[param]["step"].item()) + 1, grid):
                 continue
             if not isinstance(param, DTensor) and _ranks() > 1:
                 # every rank averages the same list: a rank whose batch never reached this weight (an MoE expert of
-                # its own module, a branch of its own) ran no hook and masked nothing away, which is zeros, not a
-                # missing entry (a fused experts stack's hook runs once any expert is reached; an expert no token was
+                # its own module, a branch of its own) ran no hook and kept nothing, which is zeros (its gradient), not
+                # a missing entry (a fused experts stack's hook runs once any expert is reached; an expert no token was
                 # routed to holds zeros in its slice of the gradient, as a stock AdamW sees it)
                 grad = local(param.grad)
                 held = grad.new_zeros(grid.blocks(grad).shape) if held is None else held
@@ -291,8 +297,7 @@ class SMETAdam(torch.optim.Optimizer):
         for key, (param, held) in masked.items():
             # (no hook saw this gradient when attach() came after the backward: it is still unmasked, whole)
             grid = self._grid(param)
-            grad = grid.blocks(local(param.grad))
-            scores[key] = grid.block_l1(grad if held is None else grad + held)
+            scores[key] = grid.block_l1(grid.blocks(local(param.grad)) if held is None else held)
         return scores
 
     def _dense_step(self, param: torch.Tensor, group: dict[str, Any], state: dict[str, torch.Tensor]) -> None:

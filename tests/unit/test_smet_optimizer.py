@@ -426,3 +426,31 @@ def test_the_learning_rate_scales_with_the_density_a_weight_trains_at(density):
     assert kept == max(1, round(density * 4)) / 4  # (the density this weight trains at)
     # the first Adam step of a coordinate is a sign step: |update| = lr x the scale
     torch.testing.assert_close(moved[moved > 0] / lr, torch.full_like(moved[moved > 0], kept**-0.5), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["sparse_weights", "sparse_update"])
+def test_gradient_regrowth_chooses_the_same_blocks_whatever_clipping_scales_the_gradient_by(mode):
+    """Clipping (and a loss scaler's unscaling) scales the gradient after the hooks, uniformly, which must leave the
+    blocks gradient regrowth chooses alone. Its scores added the masked-away part, as the hooks saw it, to the active
+    blocks' part in `param.grad`, clipped: the blocks just pruned were scored by their clipped gradient against the
+    others' unclipped one: here, clipped to under a hundredth, none of the 27 (sparse_weights; sparse_update: 20)
+    just-pruned blocks that come back unclipped came back, and 20 of 32 rows chose other blocks; a tiny Llama clipped
+    so chose otherwise in 31-38% of its rows. The scores now read the whole gradient as the hooks saw it."""
+    config = SMETConfig(mode=mode, density=0.5, block_size=8, update_interval=2, prune_rate=0.5, regrowth="gradient")
+    grad = torch.randn(32, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def blocks_chosen(max_norm: float | None) -> torch.Tensor:
+        model = OneMatrix().double()
+        # (eps far below the gradient: a uniformly scaled gradient gives the same Adam steps, so the same pruning)
+        opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=1e-2, eps=1e-30)
+        weight = model.q_proj.weight
+        for _ in range(2):
+            (weight * grad).sum().backward()
+            if max_norm is not None:  # (the active set is the same at both steps: so is the clipping factor)
+                assert torch.nn.utils.clip_grad_norm_([weight], max_norm) > 100 * max_norm
+            opt.step()
+            opt.zero_grad()
+        assert opt.topology_updates == 1 and opt.last_replaced_fraction > 0.3
+        return opt.state[weight]["block_index"].sort(dim=1).values
+
+    assert torch.equal(blocks_chosen(max_norm=0.01 * grad.norm().item() / 2), blocks_chosen(max_norm=None))
