@@ -424,14 +424,26 @@ class SMETAdam(torch.optim.Optimizer):
         """Restore a `state_dict()` (also one whose tensors are DTensors, full tensors of a sharded
         parameter, or keyed by parameter names as `torch.distributed.checkpoint.state_dict` gives)."""
         saved_groups = state_dict["param_groups"]
+        if not any("smet" in saved for saved in saved_groups):
+            # (a stock optimizer's state: its groups would be refused below as grouped otherwise, naming a wrong fix)
+            raise ValueError(
+                "The checkpoint's optimizer state was not saved by SMET (its parameter groups carry no 'smet' flag: "
+                "another optimizer saved it, e.g. torch's AdamW in a run without --smet), so it has no SMET masks "
+                "or compact moments: resume that checkpoint without --smet, or start SMET from its weights without "
+                "its optimizer state (load the model from the checkpoint folder, not resume_from_checkpoint)."
+            )
         if len(saved_groups) != len(self.param_groups) or any(
             len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
         ):
+            targets = _saved_targets(saved_groups)
+            differ = targets and targets != _saved_targets(self.param_groups)  # (else: the same targets, another model)
             raise ValueError(
                 "The saved optimizer has a different parameter grouping "
                 f"({[len(s['params']) for s in saved_groups]} vs "
                 f"{[len(g['params']) for g in self.param_groups]} parameters per group); build the optimizer "
-                "the same way (same model, same target_modules) before loading."
+                "the same way (same model, same target_modules" + (
+                    f": the checkpoint's sparse weights are {targets}, e.g. --smet_target_modules {','.join(targets)}"
+                    if differ else "") + ") before loading."
             )
         settings = self._settings()
         for saved, group in zip(saved_groups, self.param_groups):
@@ -555,16 +567,20 @@ def _check_names(saved_groups: list[dict[str, Any]], groups: list[dict[str, Any]
             continue
         for old, new in zip(saved["param_names"], group["param_names"]):
             if not _same_weight(old, new):
-                # (a module's name for its `.weight`; a fused experts stack's own: `gate_up_proj`)
-                targets = sorted({parts[-2] if parts[-1] == "weight" else parts[-1] for s in saved_groups
-                                  if s.get("smet") for parts in [n.split(".") for n in s.get("param_names") or ()]
-                                  if len(parts) > 1})
+                targets = _saved_targets(saved_groups)
                 raise ValueError(
                     f"The checkpoint's optimizer state was saved for {old} where this run has {new} "
                     f"({'sparse' if group['smet'] else 'dense'} parameters): resume with the same target_modules "
                     f"(the checkpoint's sparse weights: {targets}), e.g. --smet_target_modules {','.join(targets)}, "
                     "or start a new run from the saved model without its optimizer state."
                 )
+
+
+def _saved_targets(groups: list[dict[str, Any]]) -> list[str]:
+    """The target names of the sparse weights that SMET `groups` (a saved state's, an optimizer's) list by name (empty
+    where unnamed): a module's name for its `.weight`, a fused experts stack's own (`gate_up_proj`)."""
+    return sorted({parts[-2] if parts[-1] == "weight" else parts[-1] for g in groups if g.get("smet")
+                   for parts in [n.split(".") for n in g.get("param_names") or ()] if len(parts) > 1})
 
 
 def _export(param: torch.Tensor, value: torch.Tensor, grid: BlockGrid | None) -> torch.Tensor:

@@ -257,6 +257,33 @@ def test_a_checkpoint_without_recorded_settings_is_still_checked_by_shape():
         other.load_state_dict(saved)
 
 
+def test_loading_a_stock_optimizer_s_state_or_one_of_other_targets_names_the_fix():
+    """A dense run's checkpoint (torch's AdamW: no SMET groups) resumed with --smet, and a SMET checkpoint of other
+    target_modules (other group sizes), were both refused as grouped otherwise, asking to 'build the optimizer the same
+    way (same model, same target_modules)': the first can't be resumed with SMET at all, the second named no
+    targets. Now the first says to resume without --smet or start SMET from the weights alone, the second names the
+    checkpoint's targets."""
+    model = tiny_llama()
+    stock = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() >= 2]},
+                               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}])
+    fit(model, stock, [markov_tokens(4, 16)])
+    smet = create_smet_optimizer(tiny_llama(), torch.optim.AdamW, SMETConfig(density=0.5, block_size=8))
+    with pytest.raises(ValueError, match="not saved by SMET .*resume that checkpoint without --smet, or start SMET "
+                                         "from its weights without its optimizer state"):
+        smet.load_state_dict(stock.state_dict())
+    other = create_smet_optimizer(tiny_llama(), torch.optim.AdamW, SMETConfig(density=0.5, block_size=8,
+                                                                              target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match=re.escape(
+            "same target_modules: the checkpoint's sparse weights are ['down_proj', 'gate_proj', 'k_proj', 'o_proj', "
+            "'q_proj', 'up_proj', 'v_proj'], e.g. --smet_target_modules down_proj,gate_proj,k_proj,o_proj,q_proj,"
+            "up_proj,v_proj) before loading")):
+        other.load_state_dict(smet.state_dict())
+    deeper = create_smet_optimizer(tiny_llama(num_hidden_layers=3), torch.optim.AdamW, SMETConfig(density=0.5,
+                                                                                                   block_size=8))
+    with pytest.raises(ValueError, match=re.escape("(same model, same target_modules) before loading")):
+        deeper.load_state_dict(smet.state_dict())  # (the same targets: only the model differs)
+
+
 def test_loading_the_state_of_other_weights_of_the_same_shapes_is_refused_naming_them():
     """With q_proj, k_proj, v_proj and o_proj of one shape (multi-head attention), a checkpoint saved with
     target_modules=['q_proj'] loaded into a run targeting o_proj fitted every shape: q_proj's masks and compact
