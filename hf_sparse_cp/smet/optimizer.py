@@ -127,13 +127,12 @@ class SMETAdam(torch.optim.Optimizer):
                                         names[position] if names else "parameter", transposed)
         raise KeyError("SMET: a parameter of no parameter group.")
 
-    def _is_attached(self) -> bool:
-        for _, group, param, _ in self._named_params():
-            if not self.state.get(param):
-                return False
-            if group["smet"] and param.requires_grad and self._hooks.get(id(param), (None,))[0] is not param:
-                return False
-        return True
+    def _unattached(self) -> list[tuple[str, torch.Tensor, bool]]:
+        """(name, parameter, sparse) of the parameters without state, and the sparse ones without their gradient
+        hook."""
+        return [(name, param, group["smet"]) for _, group, param, name in self._named_params()
+                if not self.state.get(param)
+                or group["smet"] and param.requires_grad and self._hooks.get(id(param), (None,))[0] is not param]
 
     @torch.no_grad()
     def attach(self) -> SMETAdam:
@@ -235,8 +234,21 @@ class SMETAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._is_attached():
-            logger.info("SMET optimizer attached at its first step; call attach() before the first forward.")
+        unattached = self._unattached()
+        if unattached:
+            # Sparse weights a backward reached unmasked: a warning, as what ran is done, other than in an attached
+            # run. (Dense parameters only lack the state stock Adam creates at their first step too; the zero
+            # gradients torch.distributed.checkpoint steps with to create an optimizer's state reached nothing.)
+            sparse = [name for name, param, is_sparse in unattached
+                      if is_sparse and param.grad is not None and bool(local(param.grad).any())]
+            if sparse:
+                logger.warning(
+                    "SMET attached at a step: %d sparse weights (%s, ...) had no SMET state or gradient-masking hook "
+                    "yet (SMETAdam built without attach(), or parameters swapped or added since), so the forward and "
+                    "backward before this step ran with their inactive blocks (sparse_weights: not zeroed yet) and "
+                    "clipping saw their unmasked gradient. Call optimizer.attach() after building it or changing its "
+                    "parameters, before the forward (create_smet_optimizer and install_smet do).",
+                    len(sparse), sparse[0])
             self.attach()
         scores = self._regrowth_scores()
         replaced = active = 0

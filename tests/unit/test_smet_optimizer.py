@@ -481,3 +481,41 @@ def test_gradient_regrowth_chooses_the_same_blocks_whatever_clipping_scales_the_
         return opt.state[weight]["block_index"].sort(dim=1).values
 
     assert torch.equal(blocks_chosen(max_norm=0.01 * grad.norm().item() / 2), blocks_chosen(max_norm=None))
+
+
+def test_an_optimizer_stepped_before_attach_warns_what_its_step_ran_with(caplog):
+    """SMETAdam built directly (the way to give groups learning rates of their own) and stepped without attach()
+    attached itself at the step with an INFO note, unseen by default: that step's forward had run on the dense
+    weights (here loss 4.16500 where the attached run has 4.16507) and clipping had seen the unmasked gradient. It
+    warns now, naming the fix; attached first, it says nothing, also when a dense group is added later (its state is
+    created at its first step, as stock Adam's is). torch.distributed.checkpoint's loading (accelerate's under FSDP2:
+    the Trainer's resume) steps an optimizer without state once with zero gradients to create it: nothing reached
+    the weights, nothing is said."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    quiet = create_smet_optimizer(tiny_llama(), torch.optim.AdamW, SMETConfig(density=0.5, block_size=8), attach=False)
+    with caplog.at_level(logging.WARNING, logger="hf_sparse_cp.smet"):
+        caplog.clear()
+        _init_optim_state(quiet)
+    assert quiet.state and not caplog.records
+    tokens = markov_tokens(4, 16)
+    for attach in (False, True):
+        model = tiny_llama()
+        groups = [{"params": [model.model.layers[0].self_attn.q_proj.weight], "smet": True, "lr": 1e-2},
+                  {"params": [model.model.layers[0].mlp.up_proj.weight], "smet": True, "lr": 3e-3}]
+        opt = SMETAdam(groups, config=SMETConfig(density=0.5, block_size=8))
+        if attach:
+            opt.attach()
+        with caplog.at_level(logging.WARNING, logger="hf_sparse_cp.smet"):
+            caplog.clear()
+            fit(model, opt, [tokens])
+            opt.add_param_group({"params": [model.lm_head.weight], "lr": 1e-3})
+            fit(model, opt, [tokens])
+        warned = [r.getMessage() for r in caplog.records if "SMET attached at a step" in r.getMessage()]
+        assert warned == ([] if attach else [
+            "SMET attached at a step: 2 sparse weights (parameter 0, ...) had no SMET state or gradient-masking hook "
+            "yet (SMETAdam built without attach(), or parameters swapped or added since), so the forward and backward "
+            "before this step ran with their inactive blocks (sparse_weights: not zeroed yet) and clipping saw their "
+            "unmasked gradient. Call optimizer.attach() after building it or changing its parameters, before the "
+            "forward (create_smet_optimizer and install_smet do)."])
+        assert opt.state[model.lm_head.weight]["step"] == 1
