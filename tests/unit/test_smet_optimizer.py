@@ -363,6 +363,21 @@ def test_target_modules_whose_weight_is_not_laid_out_as_a_linear_s_are_refused()
     create_smet_optimizer(tiny_llama(), config=SMETConfig(target_modules=["lm_head"], block_size=16))
 
 
+def test_a_target_weight_that_is_not_contiguous_is_refused_at_set_up_naming_it_and_the_fix():
+    """A sparse weight stored as a transposed view failed in the first backward, inside the gradient hook: 'SMET needs
+    contiguous weights and gradients to view them as blocks', naming neither the weight nor the fix. Set-up refuses
+    it by name; made contiguous as the message says, it trains."""
+    model = tiny_llama()
+    o_proj = model.model.layers[0].self_attn.o_proj
+    o_proj.weight = nn.Parameter(o_proj.weight.detach().t().contiguous().t())
+    with pytest.raises(ValueError, match=re.escape("model.layers.0.self_attn.o_proj.weight is not contiguous") +
+                       ".*param.data = param.data.contiguous()"):
+        create_smet_optimizer(model, torch.optim.AdamW, SMETConfig(mode="sparse_update", density=0.5))
+    o_proj.weight.data = o_proj.weight.data.contiguous()
+    fit(model, create_smet_optimizer(model, torch.optim.AdamW, SMETConfig(mode="sparse_update", density=0.5)),
+        [markov_tokens(4, 16)])
+
+
 @pytest.mark.parametrize("wrong", ["self_attn.o_proj", "o_prj"])
 def test_a_target_name_that_matches_nothing_next_to_ones_that_do_is_refused_naming_it(wrong):
     """A typo or a dotted path in a target list whose other names matched left that projection dense without a
