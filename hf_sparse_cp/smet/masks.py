@@ -60,6 +60,12 @@ class BlockGrid:
         if param.dim() == 2 and transposed:  # (its rows, which FSDP2 shards, would be its inputs)
             raise ValueError(f"{name}: a 2-D sparse weight must be laid out [out, in] as nn.Linear's is, not "
                              "transposed.")
+        if not local(param).is_contiguous():  # (else the hooks failed in backward, naming neither it nor the fix)
+            raise ValueError(
+                f"{name} is not contiguous (strides {tuple(local(param).stride())}, a transposed view?): SMET views a "
+                "sparse weight, and its gradient laid out alike, as blocks in place. Make it contiguous before "
+                "building the optimizer (param.data = param.data.contiguous()), or remove its module from "
+                "target_modules.")
         transposed = bool(transposed)
         out_dim, in_dim = (-1, -2) if transposed else (-2, -1)  # (a 2-D weight: nn.Linear's [out, in])
         cols = param.shape[in_dim]

@@ -93,8 +93,8 @@ class SMETAdam(torch.optim.Optimizer):
         self.last_replaced_fraction = 0.0
         self._grids: dict[int, tuple[torch.Tensor, BlockGrid]] = {}
         self._hooks: dict[int, tuple[torch.Tensor, Any]] = {}
-        # Per sparse weight, before a gradient-regrowth update: the gradient its hook masked away (see mask_gradient).
-        self._masked_grads: dict[int, torch.Tensor] = {}
+        # Per sparse weight, before a gradient-regrowth update: its whole gradient as its hook saw it (mask_gradient).
+        self._kept_grads: dict[int, torch.Tensor] = {}
 
     # ---- set-up ----
 
@@ -127,13 +127,12 @@ class SMETAdam(torch.optim.Optimizer):
                                         names[position] if names else "parameter", transposed)
         raise KeyError("SMET: a parameter of no parameter group.")
 
-    def _is_attached(self) -> bool:
-        for _, group, param, _ in self._named_params():
-            if not self.state.get(param):
-                return False
-            if group["smet"] and param.requires_grad and self._hooks.get(id(param), (None,))[0] is not param:
-                return False
-        return True
+    def _unattached(self) -> list[tuple[str, torch.Tensor, bool]]:
+        """(name, parameter, sparse) of the parameters without state, and the sparse ones without their gradient
+        hook."""
+        return [(name, param, group["smet"]) for _, group, param, name in self._named_params()
+                if not self.state.get(param)
+                or group["smet"] and param.requires_grad and self._hooks.get(id(param), (None,))[0] is not param]
 
     @torch.no_grad()
     def attach(self) -> SMETAdam:
@@ -205,8 +204,10 @@ class SMETAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def mask_gradient(self, param: torch.Tensor) -> None:
         """Zero the gradient of `param`'s inactive blocks; before a topology update that regrows by
-        gradient, keep what is zeroed (summed over micro-batches: after the first, the inactive blocks
-        hold only the new micro-batch's gradient), so that `step` scores the whole gradient."""
+        gradient, first keep a copy of the whole gradient as it stands (its inactive blocks summed over
+        micro-batches: after the first, they hold only the new micro-batch's gradient; its active blocks
+        as `param.grad` accumulates them), so that `step` scores all of it as it was before clipping or a
+        loss scaler's unscaling scale what is left in `param.grad`."""
         state = self.state.get(param)
         if not state or "block_index" not in state or param.grad is None:
             return
@@ -214,15 +215,16 @@ class SMETAdam(torch.optim.Optimizer):
         grad = grid.blocks(local(param.grad))
         inactive = grid.inactive(state["block_index"])
         if self._regrowth_scores_needed(int(state["step"].item()) + 1, grid):
-            masked = grad.masked_fill(~inactive, 0).contiguous()  # (contiguous: it may be all-reduced)
-            previous = self._masked_grads.get(id(param))
-            self._masked_grads[id(param)] = masked if previous is None else previous.add_(masked)
+            previous = self._kept_grads.get(id(param))
+            # (a contiguous copy: it may be all-reduced; the active blocks' earlier micro-batches are in `grad`)
+            self._kept_grads[id(param)] = (grad.clone(memory_format=torch.contiguous_format) if previous is None
+                                             else previous.masked_fill_(~inactive, 0).add_(grad))
         grad.masked_fill_(inactive, 0)
 
     def discard_masked_gradients(self) -> None:
-        """Forget the gradients the hooks masked away since the last step: call it when a step was skipped (a
+        """Forget the gradients the hooks kept since the last step: call it when a step was skipped (a
         GradScaler step that found inf or NaN), whose gradient must not reach the next update's regrowth scores."""
-        self._masked_grads.clear()
+        self._kept_grads.clear()
 
     # ---- the update ----
 
@@ -232,8 +234,21 @@ class SMETAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._is_attached():
-            logger.info("SMET optimizer attached at its first step; call attach() before the first forward.")
+        unattached = self._unattached()
+        if unattached:
+            # Sparse weights a backward reached unmasked: a warning, as what ran is done, other than in an attached
+            # run. (Dense parameters only lack the state stock Adam creates at their first step too; the zero
+            # gradients torch.distributed.checkpoint steps with to create an optimizer's state reached nothing.)
+            sparse = [name for name, param, is_sparse in unattached
+                      if is_sparse and param.grad is not None and bool(local(param.grad).any())]
+            if sparse:
+                logger.warning(
+                    "SMET attached at a step: %d sparse weights (%s, ...) had no SMET state or gradient-masking hook "
+                    "yet (SMETAdam built without attach(), or parameters swapped or added since), so the forward and "
+                    "backward before this step ran with their inactive blocks (sparse_weights: not zeroed yet) and "
+                    "clipping saw their unmasked gradient. Call optimizer.attach() after building it or changing its "
+                    "parameters, before the forward (create_smet_optimizer and install_smet do).",
+                    len(sparse), sparse[0])
             self.attach()
         scores = self._regrowth_scores()
         replaced = active = 0
@@ -260,13 +275,16 @@ class SMETAdam(torch.optim.Optimizer):
         (keyed by `id(param)`): the L1 norm of every block of the step's whole gradient, as one process
         computes it on the whole batch, so every rank and every parallel layout decides alike.
 
-        That gradient is the active blocks' gradient in `param.grad` (reduced by DDP or FSDP2) plus the
-        inactive blocks' gradient the hooks masked away. FSDP2 runs the hooks on the reduce-scattered
-        (under HSDP also all-reduced) gradient shard, so a DTensor parameter's masked part is already
+        That gradient is the one the hooks kept (`mask_gradient`), not `param.grad`: clipping and a loss
+        scaler's unscaling scale `param.grad` after the hooks, uniformly, which leaves the blocks' ranking
+        alone only where it scales every block; scoring the blocks just pruned (active in this backward, so
+        in `param.grad`) by their scaled gradient against the others' unscaled one did not (clipped to a
+        hundredth of the norm, none of them came back). FSDP2 runs the hooks on the reduce-scattered
+        (under HSDP also all-reduced) gradient shard, so a DTensor parameter's kept gradient is already
         reduced. DDP (and so the Trainer's context parallelism on CPU, which is DDP over the CP ranks)
-        averages gradients after the hooks have run, so each rank masked away its own micro-batches' or
-        sequence shard's part: for plain parameters, replicated on every rank, it is averaged over all
-        ranks here as DDP averages the rest (one all-reduce per matrix, at topology-update steps only).
+        averages gradients after the hooks have run, so each rank kept its own micro-batches' or sequence
+        shard's gradient: for plain parameters, replicated on every rank, it is averaged over all ranks
+        here as DDP averages it (one all-reduce per matrix, at topology-update steps only).
         A norm of summed gradients is not the sum of their norms, so the reduction comes before the norm.
         """
         masked, replicated = {}, []
@@ -274,13 +292,13 @@ class SMETAdam(torch.optim.Optimizer):
             if not group["smet"] or param.grad is None:
                 continue
             grid = self._grid(param)
-            held = self._masked_grads.pop(id(param), None)
+            held = self._kept_grads.pop(id(param), None)
             if not self._regrowth_scores_needed(int(self.state[param]["step"].item()) + 1, grid):
                 continue
             if not isinstance(param, DTensor) and _ranks() > 1:
                 # every rank averages the same list: a rank whose batch never reached this weight (an MoE expert of
-                # its own module, a branch of its own) ran no hook and masked nothing away, which is zeros, not a
-                # missing entry (a fused experts stack's hook runs once any expert is reached; an expert no token was
+                # its own module, a branch of its own) ran no hook and kept nothing, which is zeros (its gradient), not
+                # a missing entry (a fused experts stack's hook runs once any expert is reached; an expert no token was
                 # routed to holds zeros in its slice of the gradient, as a stock AdamW sees it)
                 grad = local(param.grad)
                 held = grad.new_zeros(grid.blocks(grad).shape) if held is None else held
@@ -291,8 +309,7 @@ class SMETAdam(torch.optim.Optimizer):
         for key, (param, held) in masked.items():
             # (no hook saw this gradient when attach() came after the backward: it is still unmasked, whole)
             grid = self._grid(param)
-            grad = grid.blocks(local(param.grad))
-            scores[key] = grid.block_l1(grad if held is None else grad + held)
+            scores[key] = grid.block_l1(grid.blocks(local(param.grad)) if held is None else held)
         return scores
 
     def _dense_step(self, param: torch.Tensor, group: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
@@ -419,14 +436,26 @@ class SMETAdam(torch.optim.Optimizer):
         """Restore a `state_dict()` (also one whose tensors are DTensors, full tensors of a sharded
         parameter, or keyed by parameter names as `torch.distributed.checkpoint.state_dict` gives)."""
         saved_groups = state_dict["param_groups"]
+        if not any("smet" in saved for saved in saved_groups):
+            # (a stock optimizer's state: its groups would be refused below as grouped otherwise, naming a wrong fix)
+            raise ValueError(
+                "The checkpoint's optimizer state was not saved by SMET (its parameter groups carry no 'smet' flag: "
+                "another optimizer saved it, e.g. torch's AdamW in a run without --smet), so it has no SMET masks "
+                "or compact moments: resume that checkpoint without --smet, or start SMET from its weights without "
+                "its optimizer state (load the model from the checkpoint folder, not resume_from_checkpoint)."
+            )
         if len(saved_groups) != len(self.param_groups) or any(
             len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
         ):
+            targets = _saved_targets(saved_groups)
+            differ = targets and targets != _saved_targets(self.param_groups)  # (else: the same targets, another model)
             raise ValueError(
                 "The saved optimizer has a different parameter grouping "
                 f"({[len(s['params']) for s in saved_groups]} vs "
                 f"{[len(g['params']) for g in self.param_groups]} parameters per group); build the optimizer "
-                "the same way (same model, same target_modules) before loading."
+                "the same way (same model, same target_modules" + (
+                    f": the checkpoint's sparse weights are {targets}, e.g. --smet_target_modules {','.join(targets)}"
+                    if differ else "") + ") before loading."
             )
         settings = self._settings()
         for saved, group in zip(saved_groups, self.param_groups):
@@ -550,16 +579,20 @@ def _check_names(saved_groups: list[dict[str, Any]], groups: list[dict[str, Any]
             continue
         for old, new in zip(saved["param_names"], group["param_names"]):
             if not _same_weight(old, new):
-                # (a module's name for its `.weight`; a fused experts stack's own: `gate_up_proj`)
-                targets = sorted({parts[-2] if parts[-1] == "weight" else parts[-1] for s in saved_groups
-                                  if s.get("smet") for parts in [n.split(".") for n in s.get("param_names") or ()]
-                                  if len(parts) > 1})
+                targets = _saved_targets(saved_groups)
                 raise ValueError(
                     f"The checkpoint's optimizer state was saved for {old} where this run has {new} "
                     f"({'sparse' if group['smet'] else 'dense'} parameters): resume with the same target_modules "
                     f"(the checkpoint's sparse weights: {targets}), e.g. --smet_target_modules {','.join(targets)}, "
                     "or start a new run from the saved model without its optimizer state."
                 )
+
+
+def _saved_targets(groups: list[dict[str, Any]]) -> list[str]:
+    """The target names of the sparse weights that SMET `groups` (a saved state's, an optimizer's) list by name (empty
+    where unnamed): a module's name for its `.weight`, a fused experts stack's own (`gate_up_proj`)."""
+    return sorted({parts[-2] if parts[-1] == "weight" else parts[-1] for g in groups if g.get("smet")
+                   for parts in [n.split(".") for n in g.get("param_names") or ()] if len(parts) > 1})
 
 
 def _export(param: torch.Tensor, value: torch.Tensor, grid: BlockGrid | None) -> torch.Tensor:

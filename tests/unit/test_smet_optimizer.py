@@ -257,6 +257,33 @@ def test_a_checkpoint_without_recorded_settings_is_still_checked_by_shape():
         other.load_state_dict(saved)
 
 
+def test_loading_a_stock_optimizer_s_state_or_one_of_other_targets_names_the_fix():
+    """A dense run's checkpoint (torch's AdamW: no SMET groups) resumed with --smet, and a SMET checkpoint of other
+    target_modules (other group sizes), were both refused as grouped otherwise, asking to 'build the optimizer the same
+    way (same model, same target_modules)': the first can't be resumed with SMET at all, the second named no
+    targets. Now the first says to resume without --smet or start SMET from the weights alone, the second names the
+    checkpoint's targets."""
+    model = tiny_llama()
+    stock = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() >= 2]},
+                               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}])
+    fit(model, stock, [markov_tokens(4, 16)])
+    smet = create_smet_optimizer(tiny_llama(), torch.optim.AdamW, SMETConfig(density=0.5, block_size=8))
+    with pytest.raises(ValueError, match="not saved by SMET .*resume that checkpoint without --smet, or start SMET "
+                                         "from its weights without its optimizer state"):
+        smet.load_state_dict(stock.state_dict())
+    other = create_smet_optimizer(tiny_llama(), torch.optim.AdamW, SMETConfig(density=0.5, block_size=8,
+                                                                              target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match=re.escape(
+            "same target_modules: the checkpoint's sparse weights are ['down_proj', 'gate_proj', 'k_proj', 'o_proj', "
+            "'q_proj', 'up_proj', 'v_proj'], e.g. --smet_target_modules down_proj,gate_proj,k_proj,o_proj,q_proj,"
+            "up_proj,v_proj) before loading")):
+        other.load_state_dict(smet.state_dict())
+    deeper = create_smet_optimizer(tiny_llama(num_hidden_layers=3), torch.optim.AdamW, SMETConfig(density=0.5,
+                                                                                                   block_size=8))
+    with pytest.raises(ValueError, match=re.escape("(same model, same target_modules) before loading")):
+        deeper.load_state_dict(smet.state_dict())  # (the same targets: only the model differs)
+
+
 def test_loading_the_state_of_other_weights_of_the_same_shapes_is_refused_naming_them():
     """With q_proj, k_proj, v_proj and o_proj of one shape (multi-head attention), a checkpoint saved with
     target_modules=['q_proj'] loaded into a run targeting o_proj fitted every shape: q_proj's masks and compact
@@ -334,6 +361,21 @@ def test_target_modules_whose_weight_is_not_laid_out_as_a_linear_s_are_refused()
     with pytest.raises(ValueError, match=r"model.embed_tokens \(Embedding\) is not an nn.Linear"):
         create_smet_optimizer(tiny_llama(), config=SMETConfig(target_modules=["embed_tokens"], block_size=16))
     create_smet_optimizer(tiny_llama(), config=SMETConfig(target_modules=["lm_head"], block_size=16))
+
+
+def test_a_target_weight_that_is_not_contiguous_is_refused_at_set_up_naming_it_and_the_fix():
+    """A sparse weight stored as a transposed view failed in the first backward, inside the gradient hook: 'SMET needs
+    contiguous weights and gradients to view them as blocks', naming neither the weight nor the fix. Set-up refuses
+    it by name; made contiguous as the message says, it trains."""
+    model = tiny_llama()
+    o_proj = model.model.layers[0].self_attn.o_proj
+    o_proj.weight = nn.Parameter(o_proj.weight.detach().t().contiguous().t())
+    with pytest.raises(ValueError, match=re.escape("model.layers.0.self_attn.o_proj.weight is not contiguous") +
+                       ".*param.data = param.data.contiguous()"):
+        create_smet_optimizer(model, torch.optim.AdamW, SMETConfig(mode="sparse_update", density=0.5))
+    o_proj.weight.data = o_proj.weight.data.contiguous()
+    fit(model, create_smet_optimizer(model, torch.optim.AdamW, SMETConfig(mode="sparse_update", density=0.5)),
+        [markov_tokens(4, 16)])
 
 
 @pytest.mark.parametrize("wrong", ["self_attn.o_proj", "o_prj"])
@@ -426,3 +468,69 @@ def test_the_learning_rate_scales_with_the_density_a_weight_trains_at(density):
     assert kept == max(1, round(density * 4)) / 4  # (the density this weight trains at)
     # the first Adam step of a coordinate is a sign step: |update| = lr x the scale
     torch.testing.assert_close(moved[moved > 0] / lr, torch.full_like(moved[moved > 0], kept**-0.5), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["sparse_weights", "sparse_update"])
+def test_gradient_regrowth_chooses_the_same_blocks_whatever_clipping_scales_the_gradient_by(mode):
+    """Clipping (and a loss scaler's unscaling) scales the gradient after the hooks, uniformly, which must leave the
+    blocks gradient regrowth chooses alone. Its scores added the masked-away part, as the hooks saw it, to the active
+    blocks' part in `param.grad`, clipped: the blocks just pruned were scored by their clipped gradient against the
+    others' unclipped one: here, clipped to under a hundredth, none of the 27 (sparse_weights; sparse_update: 20)
+    just-pruned blocks that come back unclipped came back, and 20 of 32 rows chose other blocks; a tiny Llama clipped
+    so chose otherwise in 31-38% of its rows. The scores now read the whole gradient as the hooks saw it."""
+    config = SMETConfig(mode=mode, density=0.5, block_size=8, update_interval=2, prune_rate=0.5, regrowth="gradient")
+    grad = torch.randn(32, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def blocks_chosen(max_norm: float | None) -> torch.Tensor:
+        model = OneMatrix().double()
+        # (eps far below the gradient: a uniformly scaled gradient gives the same Adam steps, so the same pruning)
+        opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=1e-2, eps=1e-30)
+        weight = model.q_proj.weight
+        for _ in range(2):
+            (weight * grad).sum().backward()
+            if max_norm is not None:  # (the active set is the same at both steps: so is the clipping factor)
+                assert torch.nn.utils.clip_grad_norm_([weight], max_norm) > 100 * max_norm
+            opt.step()
+            opt.zero_grad()
+        assert opt.topology_updates == 1 and opt.last_replaced_fraction > 0.3
+        return opt.state[weight]["block_index"].sort(dim=1).values
+
+    assert torch.equal(blocks_chosen(max_norm=0.01 * grad.norm().item() / 2), blocks_chosen(max_norm=None))
+
+
+def test_an_optimizer_stepped_before_attach_warns_what_its_step_ran_with(caplog):
+    """SMETAdam built directly (the way to give groups learning rates of their own) and stepped without attach()
+    attached itself at the step with an INFO note, unseen by default: that step's forward had run on the dense
+    weights (here loss 4.16500 where the attached run has 4.16507) and clipping had seen the unmasked gradient. It
+    warns now, naming the fix; attached first, it says nothing, also when a dense group is added later (its state is
+    created at its first step, as stock Adam's is). torch.distributed.checkpoint's loading (accelerate's under FSDP2:
+    the Trainer's resume) steps an optimizer without state once with zero gradients to create it: nothing reached
+    the weights, nothing is said."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    quiet = create_smet_optimizer(tiny_llama(), torch.optim.AdamW, SMETConfig(density=0.5, block_size=8), attach=False)
+    with caplog.at_level(logging.WARNING, logger="hf_sparse_cp.smet"):
+        caplog.clear()
+        _init_optim_state(quiet)
+    assert quiet.state and not caplog.records
+    tokens = markov_tokens(4, 16)
+    for attach in (False, True):
+        model = tiny_llama()
+        groups = [{"params": [model.model.layers[0].self_attn.q_proj.weight], "smet": True, "lr": 1e-2},
+                  {"params": [model.model.layers[0].mlp.up_proj.weight], "smet": True, "lr": 3e-3}]
+        opt = SMETAdam(groups, config=SMETConfig(density=0.5, block_size=8))
+        if attach:
+            opt.attach()
+        with caplog.at_level(logging.WARNING, logger="hf_sparse_cp.smet"):
+            caplog.clear()
+            fit(model, opt, [tokens])
+            opt.add_param_group({"params": [model.lm_head.weight], "lr": 1e-3})
+            fit(model, opt, [tokens])
+        warned = [r.getMessage() for r in caplog.records if "SMET attached at a step" in r.getMessage()]
+        assert warned == ([] if attach else [
+            "SMET attached at a step: 2 sparse weights (parameter 0, ...) had no SMET state or gradient-masking hook "
+            "yet (SMETAdam built without attach(), or parameters swapped or added since), so the forward and backward "
+            "before this step ran with their inactive blocks (sparse_weights: not zeroed yet) and clipping saw their "
+            "unmasked gradient. Call optimizer.attach() after building it or changing its parameters, before the "
+            "forward (create_smet_optimizer and install_smet do)."])
+        assert opt.state[model.lm_head.weight]["step"] == 1
