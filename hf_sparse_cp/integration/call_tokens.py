@@ -64,6 +64,18 @@ class UnroutedMask(ValueError):
             "(docs/context-parallelism.md lists the tested ones).")
 
 
+class BiasedMask(ValueError):
+    """The refusal of a mask to which the model adds its ALiBi position bias (Falcon with `alibi=True`, whose forward
+    materializes the mask for it): the backend takes the 2D padding mask, without the bias."""
+
+    def __init__(self, config):
+        super().__init__(
+            f"Model type '{getattr(config, 'model_type', 'unknown')}' with alibi=True adds its ALiBi position bias to "
+            "the attention mask, which sparse_cp does not use (it takes the 2D padding mask and applies causality "
+            "itself), so it cannot compute this model's attention: load it with attn_implementation='sdpa' or 'eager' "
+            "(--sparse_attention false).")
+
+
 def computes_own_attention(config) -> bool:
     """Whether `config` is that of a transformers model family whose modeling module cannot dispatch attention to a
     registered implementation (it never reads `ALL_ATTENTION_FUNCTIONS`: bloom, mpt, xglm, gpt_neo), yet builds its
@@ -96,9 +108,13 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     attention layers of some models, e.g. Splinter's, do not say `is_causal=False`, so only the mask shows it) is
     returned marked (`is_bidirectional_mask`), for the attention call handed it to refuse. The mask of a model whose
     attention never reaches the backend raises `UnroutedMask` (its own attention would take it for a causal mask;
-    under torch.compile, not checked: the check reads module state a trace would break on)."""
-    if not torch.compiler.is_compiling() and computes_own_attention(kwargs.get("config")):
-        raise UnroutedMask(kwargs.get("config"))
+    under torch.compile, not checked: the check reads module state a trace would break on), and one a model adds its
+    ALiBi bias to raises `BiasedMask`."""
+    config = kwargs.get("config")
+    if getattr(config, "alibi", False) is True:
+        raise BiasedMask(config)
+    if not torch.compiler.is_compiling() and computes_own_attention(config):
+        raise UnroutedMask(config)
     function = kwargs.get("mask_function")
     if kwargs.get("use_vmap") or getattr(function, "__name__", None) == "or_mask":
         raise NonCausalMask(kwargs.get("config"), "overlay")

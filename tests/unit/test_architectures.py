@@ -137,6 +137,23 @@ def test_an_architecture_outside_attention_interface_loaded_on_the_backend_is_re
         hf_sparse_cp.unpatch()
 
 
+
+def test_falcon_with_alibi_loaded_on_the_backend_is_refused_at_its_mask_naming_the_fix():
+    """Falcon with alibi=True adds its ALiBi bias to a mask it reads as a tensor: loaded with
+    attn_implementation='sparse_cp', its forward failed inside Falcon's code ("'NoneType' object has no attribute
+    'dtype'", naming no fix) without padding. Its mask is refused naming the fix, and `configure` refuses it too."""
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config("falcon", alibi=True), attn_implementation="sparse_cp")
+        cause = r"Model type 'falcon' with alibi=True adds its ALiBi position bias to the attention mask"
+        for mask in (None, torch.tensor([[0, 1, 1, 1]])):
+            with pytest.raises(ValueError, match=cause + r".*attn_implementation='sdpa' or 'eager'"):
+                model(input_ids=torch.randint(3, 259, (1, 4)), attention_mask=mask)
+        with pytest.raises(ValueError, match=cause):
+            hf_sparse_cp.configure(model)
+    finally:
+        hf_sparse_cp.unpatch()
+
 def test_an_architecture_routed_from_a_later_transformers_is_refused_before_it_naming_the_upgrade(monkeypatch):
     """CodeGen routes its attention through AttentionInterface from transformers 5.24; 5.17's (the GPU image's) kept
     eager, and test_cp_models' group holding it failed at configure. Before 5.24 it is refused naming the upgrade (the
