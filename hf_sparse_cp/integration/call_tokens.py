@@ -78,7 +78,7 @@ class BiasedMask(ValueError):
 
 def computes_own_attention(config) -> bool:
     """Whether `config` is that of a transformers model family whose modeling module cannot dispatch attention to a
-    registered implementation (it never reads `ALL_ATTENTION_FUNCTIONS`: bloom, mpt, xglm, gpt_neo), yet builds its
+    registered implementation (it never reads `ALL_ATTENTION_FUNCTIONS`: bloom, mpt, xglm), yet builds its
     masks through the mask interface, which transformers (5.25) lets it select sparse_cp for. A composite config
     (one holding its language model's, `language_config`: that model's module computes attention) and a module not
     imported or outside transformers (remote code) are not judged."""
