@@ -5,6 +5,7 @@ forward (`PerForward`)."""
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ from ..attention.tokens import (
     padding_queries_see_prior_tokens,
     token_meta_from_kwargs,
 )
+from ..config import language_config
 from .compat import register_ordered_effect
 from .composite import tower_refusal
 
@@ -47,6 +49,46 @@ class NonCausalMask(ValueError):
         super().__init__(self.refusal if self.refusal.endswith(".") else f"{self.refusal}; {fix}.")
 
 
+class UnroutedMask(ValueError):
+    """The refusal of a mask built for a model whose attention never reaches the backend (`computes_own_attention`):
+    its own attention code would read the mask."""
+
+    def __init__(self, config):
+        model_type = getattr(config, "model_type", "unknown")
+        super().__init__(
+            f"Model type '{model_type}' computes attention in its own code, not through transformers' "
+            "AttentionInterface, so attn_implementation='sparse_cp' cannot take effect: its attention would read the "
+            "2D padding mask sparse_cp's mask function hands over (None where no token is padded) as its causal mask, "
+            "and let tokens see later ones. Load it with attn_implementation='eager' or 'sdpa' (--sparse_attention "
+            "false), or use a model whose architecture routes attention through AttentionInterface "
+            "(docs/context-parallelism.md lists the tested ones).")
+
+
+class BiasedMask(ValueError):
+    """The refusal of a mask to which the model adds its ALiBi position bias (Falcon with `alibi=True`, whose forward
+    materializes the mask for it): the backend takes the 2D padding mask, without the bias."""
+
+    def __init__(self, config):
+        super().__init__(
+            f"Model type '{getattr(config, 'model_type', 'unknown')}' with alibi=True adds its ALiBi position bias to "
+            "the attention mask, which sparse_cp does not use (it takes the 2D padding mask and applies causality "
+            "itself), so it cannot compute this model's attention: load it with attn_implementation='sdpa' or 'eager' "
+            "(--sparse_attention false).")
+
+
+def computes_own_attention(config) -> bool:
+    """Whether `config` is that of a transformers model family whose modeling module cannot dispatch attention to a
+    registered implementation (it never reads `ALL_ATTENTION_FUNCTIONS`: bloom, mpt, xglm), yet builds its
+    masks through the mask interface, which transformers (5.25) lets it select sparse_cp for. A composite config
+    (one holding its language model's, `language_config`: that model's module computes attention) and a module not
+    imported or outside transformers (remote code) are not judged."""
+    prefix, _, family = type(config).__module__.rpartition(".configuration_")
+    if not prefix.startswith("transformers.models.") or language_config(config) is not config:
+        return False
+    module = sys.modules.get(f"{prefix}.modeling_{family}")
+    return module is not None and not hasattr(module, "ALL_ATTENTION_FUNCTIONS")
+
+
 def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
                    attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
     """The mask function registered with the backend: transformers' flash-attention one, which hands over the 2D
@@ -64,7 +106,15 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     (`_sees_next_key`: a block overlay under packing, a bidirectional window). transformers' bidirectional mask
     (`create_bidirectional_mask`: an encoder's, cross-attention's, a decoder's with `config.is_causal=False`; the
     attention layers of some models, e.g. Splinter's, do not say `is_causal=False`, so only the mask shows it) is
-    returned marked (`is_bidirectional_mask`), for the attention call handed it to refuse."""
+    returned marked (`is_bidirectional_mask`), for the attention call handed it to refuse. The mask of a model whose
+    attention never reaches the backend raises `UnroutedMask` (its own attention would take it for a causal mask;
+    under torch.compile, not checked: the check reads module state a trace would break on), and one a model adds its
+    ALiBi bias to raises `BiasedMask`."""
+    config = kwargs.get("config")
+    if getattr(config, "alibi", False) is True:
+        raise BiasedMask(config)
+    if not torch.compiler.is_compiling() and computes_own_attention(config):
+        raise UnroutedMask(config)
     function = kwargs.get("mask_function")
     if kwargs.get("use_vmap") or getattr(function, "__name__", None) == "or_mask":
         raise NonCausalMask(kwargs.get("config"), "overlay")

@@ -19,8 +19,9 @@ on the length a rank sees:
 
 Before any of these, and whenever a model is switched to the backend (`configure`, the Trainer glue), the
 switch is checked (`check_attention_routed`): an architecture whose attention does not go through transformers'
-AttentionInterface (bloom, mpt, xglm: transformers keeps eager attention) or that builds an attention mask of
-its own (doge) would otherwise train without the sparse pattern, or fail at its first forward.
+AttentionInterface (bloom, mpt, xglm: their attention is their own code, which a forward without the switch
+refuses at its mask, `call_tokens.UnroutedMask`) or that builds an attention mask of its own (doge) would otherwise
+train without the sparse pattern, or fail at its first forward.
 
 An architecture is refused only for one of these named causes (or those of the sparse backend:
 soft-capping, learned sinks, attention dropout, bidirectional attention; the probe forward finds what a layer
@@ -32,6 +33,7 @@ and the log says it is outside the table.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -64,7 +66,7 @@ from .backend import (
     masked_locality,
     probing,
 )
-from .call_tokens import NonCausalMask
+from .call_tokens import NonCausalMask, UnroutedMask
 from .composite import backend_selection, in_tower, switched_to, tower_names
 from .given import require_model
 from .heads import base_model
@@ -122,7 +124,7 @@ def _probe(target: torch.nn.Module, device: torch.device | str, with_shard: bool
     if "use_cache" in inspect.signature(target.forward).parameters:
         kwargs["use_cache"] = False  # a training forward builds no cache (transformers 5.25's Nemotron-H fails to
         # start one whose first layer is not attention or Mamba, whatever the backend)
-    with probing(probe), torch.no_grad():
+    with probing(probe), torch.no_grad(), contextlib.suppress(UnroutedMask):  # (no call reached the backend)
         target(input_ids=torch.zeros(1, 8, dtype=torch.long, device=device), **kwargs)
     modules = dict(target.named_modules())
     parents = {id(m): type(modules[n.rpartition(".")[0]]).__name__ for n, m in modules.items() if n}

@@ -113,6 +113,47 @@ def test_an_architecture_outside_attention_interface_is_refused_naming_it_and_le
     assert not hf_sparse_cp.is_patched() and not hasattr(model.config, "sparse_attention")
 
 
+@pytest.mark.parametrize("model_type", ["bloom", "mpt", "xglm", "gpt_neox_japanese"])
+def test_an_architecture_outside_attention_interface_loaded_on_the_backend_is_refused_at_its_mask(model_type):
+    """transformers 5.25 selects sparse_cp for a model loaded with attn_implementation='sparse_cp' whose attention is
+    its own code: that code read the 2D padding mask of the backend's mask function (None without padding) as its
+    causal mask, so tokens saw later ones, silently (bloom: logits 5% off eager's; gpt_neox_japanese: 89%; NaN with
+    a padded batch). Its mask is refused, naming the fix; a model that routes attention through AttentionInterface
+    is not, and `configure` still names the cause of an unrouted one."""
+    hf_sparse_cp.patch()
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="sparse_cp")
+        assert compat.attn_implementation(model.config) == "sparse_cp"
+        with pytest.raises(ValueError, match=rf"Model type '{model_type}' computes attention in its own code, not "
+                                             r"through transformers' AttentionInterface.*attn_implementation='eager' "
+                                             r"or 'sdpa' \(--sparse_attention false\)"):
+            model(input_ids=torch.randint(3, 259, (1, 24)))
+        with pytest.raises(ValueError, match=f"model type '{model_type}'\\) does not route its attention"):
+            hf_sparse_cp.configure(model)
+        routed = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sparse_cp")
+        assert routed(input_ids=torch.randint(3, 259, (1, 24))).logits.shape == (1, 24, 259)
+    finally:
+        hf_sparse_cp.unpatch()
+
+
+
+def test_falcon_with_alibi_loaded_on_the_backend_is_refused_at_its_mask_naming_the_fix():
+    """Falcon with alibi=True adds its ALiBi bias to a mask it reads as a tensor: loaded with
+    attn_implementation='sparse_cp', its forward failed inside Falcon's code ("'NoneType' object has no attribute
+    'dtype'", naming no fix) without padding. Its mask is refused naming the fix, and `configure` refuses it too."""
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config("falcon", alibi=True), attn_implementation="sparse_cp")
+        cause = r"Model type 'falcon' with alibi=True adds its ALiBi position bias to the attention mask"
+        for mask in (None, torch.tensor([[0, 1, 1, 1]])):
+            with pytest.raises(ValueError, match=cause + r".*attn_implementation='sdpa' or 'eager'"):
+                model(input_ids=torch.randint(3, 259, (1, 4)), attention_mask=mask)
+        with pytest.raises(ValueError, match=cause):
+            hf_sparse_cp.configure(model)
+    finally:
+        hf_sparse_cp.unpatch()
+
 def test_an_architecture_routed_from_a_later_transformers_is_refused_before_it_naming_the_upgrade(monkeypatch):
     """CodeGen routes its attention through AttentionInterface from transformers 5.24; 5.17's (the GPU image's) kept
     eager, and test_cp_models' group holding it failed at configure. Before 5.24 it is refused naming the upgrade (the
