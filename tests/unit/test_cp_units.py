@@ -208,6 +208,23 @@ def test_padding_between_the_tokens_of_a_row_is_refused_naming_the_row_and_the_f
                                     ParallelDims.single(), block_size=16)
 
 
+def test_padding_between_packed_documents_is_refused_naming_the_packing_fix():
+    """Packed documents (restarting position_ids) with a mask of 0s for the padding between them (a collator padding
+    each document to blocks): the refusal said to pad on one side, which no packed row can; it names the packing fix
+    now, which CP accepts: no mask, the padding a run of its own."""
+    ids = torch.arange(3, 63).unsqueeze(0)
+    positions = torch.cat([torch.arange(20), torch.arange(12), torch.arange(28)]).unsqueeze(0)
+    mask = torch.ones_like(ids)
+    mask[0, 20:32] = 0
+    with pytest.raises(ValueError, match=r"row 0, whose position_ids restart .*leave the attention_mask out.*"
+                                         r"BlockAlignedFlattening.*--cp_size 1"):
+        prepare_context_parallel_inputs({"input_ids": ids, "position_ids": positions, "attention_mask": mask},
+                                        ParallelDims.single(), block_size=16)
+    fixed = {"input_ids": ids.masked_fill(mask == 0, 0), "position_ids": positions,
+             "labels": ids.masked_fill((mask == 0) | (positions == 0), -100)}
+    assert prepare_context_parallel_inputs(fixed, ParallelDims.single(), block_size=16)["input_ids"].shape[1] >= 60
+
+
 def test_the_tokens_per_second_count_takes_padding_between_tokens_which_only_cp_refuses():
     """Without CP such a row trains (its attention calls run dense); the tokens/s counter of every run refused it as
     context parallelism does, naming --cp_size 1 to a run that had it."""

@@ -36,6 +36,7 @@ from ...attention.tokens import (
     PAD_SEGMENT,
     TokenMeta,
     check_positions_inside_mask,
+    packing_positions,
     padding_between_tokens,
     token_meta_from_kwargs,
 )
@@ -317,6 +318,15 @@ def sequence_meta(inputs: Mapping[str, Any]) -> TokenMeta:
     """`batch_meta` of a batch that context parallelism splits, which refuses padding between a row's tokens and
     position_ids that restart inside a padding mask's run of tokens (`check_positions_inside_mask`)."""
     row = padding_between_tokens(inputs.get("attention_mask"))
+    if row is not None and _packs_documents(inputs, row):
+        raise ValueError(
+            f"attention_mask pads between the tokens of row {row}, whose position_ids restart (packed documents): with "
+            "a padding mask SDPA and flash-attention attend across such documents (the mask, not the position_ids, "
+            "says what attends: one process does so too), and context parallelism takes padding at "
+            "the start or the end of a row only. To keep the documents apart, leave the attention_mask out and give "
+            "the padding between them a run of its own: position_ids that restart and labels -100, as "
+            "hf_sparse_cp.trainer.packing.BlockAlignedFlattening pads (DataCollatorWithFlattening's rows need none); "
+            "or train without context parallelism (--cp_size 1).")
     if row is not None:
         raise ValueError(
             f"attention_mask pads between the tokens of row {row} (a 0 between two 1s, e.g. left padding after PEFT "
@@ -324,6 +334,19 @@ def sequence_meta(inputs: Mapping[str, Any]) -> TokenMeta:
             "only: pad on one side (tokenizer.padding_side), or train without context parallelism (--cp_size 1).")
     check_positions_inside_mask(inputs.get("attention_mask"), inputs)
     return batch_meta(inputs)
+
+
+def _packs_documents(inputs: Mapping[str, Any], row: int) -> bool:
+    """Whether row `row` of a batch without cu_seq_lens_k packs documents by its position_ids (`packing_positions`'),
+    which restart. Read on the host, for an error's advice only."""
+    if inputs.get("cu_seq_lens_k") is not None:
+        return False
+    positions = packing_positions(inputs.get("position_ids"))
+    if positions is None or positions.dim() == 0:
+        return False
+    positions = positions.reshape(-1, positions.shape[-1])
+    mine = positions[min(row, positions.shape[0] - 1)].cpu()
+    return bool((mine[1:] != mine[:-1] + 1).any())
 
 
 # Keys describing the whole sequence that are folded into the TokenMeta instead of being sharded.
