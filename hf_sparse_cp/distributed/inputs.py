@@ -28,19 +28,31 @@ if TYPE_CHECKING:
     from .mesh import ParallelDims
 
 
+# Target keys whose agreement `check_same_batch` checks beside the tokens: the loss reads them, the document planner
+# too (a padding document is one without targets), so ranks whose targets differ would mix losses or plan apart.
+CHECKED_TARGET_KEYS = ("labels", "shift_labels")
+
+
 def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelDims) -> None:
     """Raise ValueError, naming the fix, unless every rank of the CP group holds the same batch (the same
-    rows of tokens; two tiny all-reduces)."""
+    rows of tokens and the same targets, `CHECKED_TARGET_KEYS`; two tiny all-reduces)."""
     if parallel.cp_size == 1:
         return
     x = inputs.get("input_ids")
-    fingerprint = batch_fingerprint(inputs["inputs_embeds"] if x is None else x)
+    parts = [batch_fingerprint(inputs["inputs_embeds"] if x is None else x)]
+    for key in CHECKED_TARGET_KEYS:  # (a fixed size whatever keys a rank holds: the all-reduces must match)
+        targets = inputs.get(key)
+        present = isinstance(targets, torch.Tensor) and targets.dim() > 0 and targets.numel() > 0
+        parts.append(batch_fingerprint(targets.reshape(targets.shape[0], -1)) if present
+                     else torch.full_like(parts[0], -1.0))  # (a shape of -1: none holds it)
+    fingerprint = torch.cat(parts)
     lo, hi = fingerprint.clone(), fingerprint.clone()
     all_reduce(lo, parallel.cp_group, "the check that the CP ranks hold the same batch", op=dist.ReduceOp.MIN)
     all_reduce(hi, parallel.cp_group, "the check that the CP ranks hold the same batch", op=dist.ReduceOp.MAX)
     if not torch.equal(lo, hi):
         raise ValueError(
-            f"the ranks {list(parallel.cp_ranks)} of a context-parallel group hold different rows of tokens, and "
+            f"the ranks {list(parallel.cp_ranks)} of a context-parallel group hold different rows of tokens (or of "
+            f"targets: {', '.join(CHECKED_TARGET_KEYS)}), and "
             "they must hold the same batch to split one sequence between them. Most likely each process built "
             "different training data: build it identically on every process (seed it, e.g. "
             "torch.randint(..., generator=torch.Generator().manual_seed(0)), or load it from files), as the "

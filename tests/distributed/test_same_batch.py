@@ -99,10 +99,22 @@ def _refusals_of_rearranged_rows(rank: int, world: int) -> dict:
              "non_finite_same": ("inputs_embeds", non_finite, non_finite),
              "non_finite_rows": ("inputs_embeds", non_finite, non_finite.flip(0)),
              "huge_same": ("inputs_embeds", huge, huge)}
+    batches = {name: {key: other if rank == 1 else mine} for name, (key, mine, other) in cases.items()}
+    # the same tokens with other targets on rank 1: one target masked (a loop masking per rank), class labels swapped,
+    # no labels at all (one of the group's keys absent on a rank: the fingerprint keeps its size, no hang)
+    masked = ids.clone()
+    masked[1, 7] = -100
+    targets = {"labels_same": ("labels", ids, ids), "labels_masked": ("labels", ids, masked),
+               "shift_labels_masked": ("shift_labels", ids, masked),
+               "class_labels": ("labels", torch.tensor([1, 0]), torch.tensor([0, 1])),
+               "labels_absent": ("labels", ids, None)}
+    for name, (key, mine, other) in targets.items():
+        given = other if rank == 1 else mine
+        batches[name] = {"input_ids": ids, **({} if given is None else {key: given})}
     refused = {}
-    for name, (key, mine, other) in cases.items():
+    for name, batch in batches.items():
         try:
-            check_same_batch({key: other if rank == 1 else mine}, par)
+            check_same_batch(batch, par)
             refused[name] = False
         except ValueError as e:
             refused[name] = "hold different rows of tokens" in str(e)
@@ -112,10 +124,14 @@ def _refusals_of_rearranged_rows(rank: int, world: int) -> dict:
 def test_the_same_tokens_arranged_otherwise_on_one_rank_are_refused_as_another_batch():
     """... and the same embeddings with a NaN or an infinity, or sums past float64's range, are the same batch (#50:
     their fingerprint was NaN, unequal to itself, and CP 2 refused the batch as different rows, where one process
-    trains on it, to NaN weights)."""
+    trains on it, to NaN weights). The same tokens with other targets on a rank (labels masked there alone, class
+    labels swapped, labels missing) are another batch too: before, unchecked, the ranks mixed their losses, and the
+    document planner, which reads the targets, planned apart."""
     for rank in run_gloo(_refusals_of_rearranged_rows, 2, timeout_s=300):
         assert rank == {"same": False, "rows": True, "column": True, "pairs": True, "embeds_same": False,
-                        "embeds_rows": True, "non_finite_same": False, "non_finite_rows": True, "huge_same": False}
+                        "embeds_rows": True, "non_finite_same": False, "non_finite_rows": True, "huge_same": False,
+                        "labels_same": False, "labels_masked": True, "shift_labels_masked": True,
+                        "class_labels": True, "labels_absent": True}
 
 
 def _random_crop(rows: list[dict]) -> dict:
