@@ -802,6 +802,16 @@ def test_nothing_fitting_at_a_high_cp_degree_names_the_sequences_terms_not_the_m
     assert "fewer CP ranks (--cp 32768)" in said and "--fsdp" not in said and "--no-master-weights" not in said
 
 
+def test_no_length_fitting_within_the_measured_band_says_so_and_names_the_fix(capsys):
+    """Qwen2.5-3B in fp32 weights on one 80 GB GPU fits 167,936 tokens, but its state alone (61.7 GB at 1,024 tokens)
+    is over the 72 GB usable at the band's top (+26%): the command said "with that margin, 0 tokens"."""
+    cli_main(["memory", "--model", "qwen2.5-3b", "--gpu-memory", "80GB"])
+    said = capsys.readouterr().out.splitlines()[1]
+    assert said.startswith("Longest sequence that fits: 167,936 tokens") and "0 tokens" not in said, said
+    assert "with that margin, not even 1,024 tokens, the shortest length tried (its peak, 61.7 GB, is 77.8 GB at " \
+           "the band's top, over the 72.0 GB usable; shard the model's state over more ranks (--fsdp 2)" in said, said
+
+
 def test_a_config_without_layers_or_heads_is_refused(tmp_path, capsys):
     """A config.json of num_hidden_layers 0 was predicted (a model of 0.00B parameters fitting 38M tokens)."""
     from transformers import LlamaConfig
