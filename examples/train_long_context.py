@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import warnings
 from dataclasses import dataclass, field, fields
@@ -318,10 +319,29 @@ DEPRECATED = {f"--{old}": f"--{new}" for old, new in RENAMED_FIELDS.items()}
 class _Parser(HfArgumentParser):
     """argparse's own errors (a value of the wrong type, a missing value) print the prog and a pointer to --help
     before the error, not the usage of every flag (~190 lines); every refusal is printed once by the processes
-    `hf-sparse-cp launch` starts, each of which parses the same flags (`refusals.exit_refused`)."""
+    `hf-sparse-cp launch` starts, each of which parses the same flags (`refusals.exit_refused`). A refusal of a flag
+    that only the recipe gives names the recipe and its line (`recipe_source`)."""
+
+    recipe: tuple[str, dict[str, Any]] | None = None  # (the recipe as given, its flag: value pairs)
+    typed: frozenset[str] = frozenset()  # (the flags the command line gives after the recipe's, without dashes)
 
     def error(self, message: str):
-        self.exit(2, f"usage: {self.prog} [FLAGS] ({self.prog} --help lists them)\n{self.prog}: error: {message}\n")
+        self.exit(2, f"usage: {self.prog} [FLAGS] ({self.prog} --help lists them)\n{self.prog}: error: {message}"
+                     f"{self.recipe_source(message)}\n")
+
+    def recipe_source(self, message: str) -> str:
+        """' (from the recipe NAME: `flag: value`)' for the flags `message` names that the recipe gives, unless the
+        command line gives them too and the message does not quote the recipe's value as argparse quotes a value it
+        cannot convert (it converts both, the recipe's first); '' otherwise. (#50: a recipe's `cp_size: two` was
+        refused as `argument --cp_size/--cp-size: invalid int value: 'two'`, naming no file.)"""
+        if self.recipe is None:
+            return ""
+        given, mapping = self.recipe
+        named = dict.fromkeys(name.replace("-", "_") for name in re.findall(r"(?<![\w-])--(\w[\w-]*)", message))
+        shown = {name: json.dumps(value) if isinstance(value, dict) else str(value) for name, value in mapping.items()}
+        lines = [f"`{name}: {shown[name]}`" for name in named if name in mapping and (
+            name not in self.typed or f"'{shown[name]}'" in message or f"got {shown[name]} " in message)]
+        return f" (from the recipe {given}: {', '.join(lines)})" if lines else ""
 
     def exit(self, status: int = 0, message: str | None = None):
         if status == REFUSED and message:
@@ -329,9 +349,9 @@ class _Parser(HfArgumentParser):
         super().exit(status, message)
 
 
-def _refuse(parser: HfArgumentParser, message: str) -> None:
+def _refuse(parser: _Parser, message: str) -> None:
     """Exit with `message` in one line, like argparse's own errors (without the usage of hundreds of flags)."""
-    parser.exit(2, f"{parser.prog}: error: {message}\n")
+    parser.exit(2, f"{parser.prog}: error: {message}{parser.recipe_source(message)}\n")
 
 
 def take_recipe(argv: list[str]) -> tuple[list[str], str | None]:
@@ -424,6 +444,8 @@ def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
             except FileNotFoundError:  # (named among the shipped training recipes alone, the kind it takes)
                 path = recipe_path(recipe, ("train",))
             flags = recipe_flags(str(path), recipe)
+            parser.recipe = recipe, read_mapping(str(path), "")
+            parser.typed = frozenset(arg.split("=", 1)[0][2:].replace("-", "_") for arg in argv if arg.startswith("--"))
             argv, from_recipe = flags + argv, len(flags)
     except (OSError, ValueError) as e:  # a recipe that is not there or not a mapping: the error names it
         _refuse(parser, str(e))
