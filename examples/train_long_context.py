@@ -631,7 +631,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if trainer.is_world_process_zero():
         if script.summary_file:
             write_output(Path(script.summary_file), json.dumps(summary, indent=2))
-        saved = checkpoints_note(training)
+        # (#50: after --save_final_model the line said only "no checkpoints (the demo's default; ...)")
+        saved = checkpoints_note(training) + (f" | final model in {training.output_dir}" if script.save_final_model
+                                              else "")
         if not logged:
             loss = "no step trained"
         elif summary["first_loss_step"] == summary["final_loss_step"]:  # (one logged loss: nothing to compare)

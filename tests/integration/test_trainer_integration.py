@@ -100,7 +100,14 @@ def test_save_steps_saves_checkpoints(tmp_path, capsys, single_thread):
     assert f"checkpoints in {tmp_path / 'saved'}" in capsys.readouterr().out
     main([*job, "--output_dir", str(tmp_path / "demo")])
     assert not list((tmp_path / "demo").glob("checkpoint-*"))
-    assert "no checkpoints (the demo's default; --save_steps N saves every N steps)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "no checkpoints (the demo's default; --save_steps N saves every N steps)" in said
+    assert "final model" not in said
+    # the model --save_final_model saves is named: the line said only "no checkpoints (the demo's default; ...)"
+    main([*job, "--output_dir", str(tmp_path / "final"), "--save_final_model"])
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+    assert f"no checkpoints (the demo's default; --save_steps N saves every N steps) | final model in " \
+           f"{tmp_path / 'final'}" in capsys.readouterr().out
 
 
 def test_cli_env(capsys):
