@@ -107,7 +107,7 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
                    "holds up to this multiple of the mean of the blocks, plus one block).")
     p.add_argument("--fsdp", type=at_least(1), default=1,
                    help="Ranks the weights, gradients and optimizer state are sharded over (FSDP2), e.g. 8 with --cp 8 "
-                   "on 8 GPUs.")
+                   "on 8 GPUs: 1 or a multiple of --cp (FSDP2 shards over every rank of a CP group).")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="The compute dtype (the Trainer's --bf16: bfloat16, --fp16: float16, neither: float32).")
     p.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=True,
@@ -215,6 +215,11 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--kept-curve {args.kept_curve} would not be read: --layout-width bound sizes every layout at "
                      "all the blocks of its rows; drop --layout-width bound to size them from the curve, or drop "
                      "--kept-curve.")
+    if args.fsdp > 1 and args.fsdp % args.cp:  # (#50: --cp 8 --fsdp 3 was answered, a run no launch can make)
+        parser.error(f"--fsdp {args.fsdp} with --cp {args.cp}: FSDP2 shards the model over every rank of a CP group "
+                     "(accelerate's dp_shard x cp mesh; without a ParallelismConfig, over all processes), so its "
+                     f"degree is a multiple of --cp: e.g. --fsdp {args.cp} (or {2 * args.cp} with two data-parallel "
+                     "groups), or --fsdp 1 without FSDP.")
 
 
 # How far measured peaks were from the predictions (docs/memory.md, "Validation"): within 2% below on CPU processes
@@ -265,7 +270,7 @@ def _shortest_fix(args: argparse.Namespace, arch: Architecture) -> tuple[MemoryE
     est = predict_step_memory(arch, shortest, settings_for_length(args, arch)(shortest))
     state = sum(b for t, b in est.terms().items() if t in MODEL_STATE_TERMS)
     if state >= est.peak_bytes / 2:  # (the model's state is most of the peak)
-        fixes = [f"shard the model's state over more ranks (--fsdp {2 * args.fsdp})"] + (
+        fixes = [f"shard the model's state over more ranks (--fsdp {max(2 * args.fsdp, args.cp)})"] + (
             ["train a model loaded in bf16 (--no-master-weights)"] if args.master_weights else [])
         return est, f"{', '.join(fixes)} or use a larger GPU"
     fewer = f"fewer CP ranks (--cp {args.cp // 2}) try shorter sequences, or " if args.cp > 1 else ""
