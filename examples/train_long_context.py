@@ -554,7 +554,7 @@ def build_trainer(
     else:
         collator = default_data_collator
     # The one switch: SparseTrainer sets up sparse attention, CP and SMET from the flags in `training`.
-    return SparseTrainer(
+    trainer = SparseTrainer(
         model=model,
         args=training,
         train_dataset=train_data,
@@ -562,6 +562,30 @@ def build_trainer(
         processing_class=tokenizer,
         callbacks=callbacks,
     )
+    note_short_documents(script, trainer)
+    return trainer
+
+
+def note_short_documents(script: ScriptArguments, trainer: SparseTrainer) -> None:
+    """Warn, on the main process, when --pack_documents packs documents shorter than the pattern's min_seq_len into
+    sequences that reach it: every layer then runs dense on them, while the start-up line (which knows the sequence
+    length, not the documents') says the layers are sparse (#50: `--sparse_max_length 2048 --pack_documents 4` logged
+    a kept fraction of 1.0 without a word of why)."""
+    from hf_sparse_cp.integration.backend import model_config_for
+    from hf_sparse_cp.trainer.attach import describe_layers
+
+    training = trainer.args
+    document = training.sparse_max_length // script.pack_documents
+    if (script.pack_documents == 1 or not training.sparse_attention or training.cp_schedule
+            or not trainer.is_world_process_zero()
+            or describe_layers(trainer.model, training.sparse_max_length)[1]  # (the start-up line said it)
+            or not describe_layers(trainer.model, document)[1]):
+        return
+    pattern = model_config_for(trainer.model)
+    logger.warning("--pack_documents %d packs documents of %d tokens, under min_seq_len=%d: every layer runs dense on "
+                   "them (kept fraction 1.0). Pack fewer documents (at most %d), raise --sparse_max_length, or give "
+                   "--sparse_config trial (a shipped pattern sparse at every length).", script.pack_documents,
+                   document, pattern.min_seq_len, max(1, training.sparse_max_length // pattern.min_seq_len))
 
 
 def aligned_width(script, training) -> str:
