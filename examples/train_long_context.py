@@ -670,8 +670,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                  else f"at {training.sparse_max_length} tokens{aligned_width(script, training)} on "
                  f"{parallel.world_size} process(es), CP={parallel.cp_size}")
         steps = summary["steps"]
-        resumed = (f" ({f'steps {start + 1}-{trainer.state.global_step}, ' if steps else ''}resumed from step "
-                   f"{start})" if start else "")
+        ran = (f"step {start + 1}, " if steps == 1 else
+               f"steps {start + 1}-{trainer.state.global_step}, " if steps else "")
+        resumed = f" ({ran}resumed from step {start})" if start else ""  # (#50: one step read 'steps 3-3')
         print(
             f"done: {steps} step{'s' if steps != 1 else ''}{resumed} {shape} | {loss} | mean kept fraction "
             f"{summary['mean_kept_fraction']:.3f} | {saved}"

@@ -157,6 +157,9 @@ def test_the_done_line_of_a_resumed_run_counts_the_steps_it_ran(tmp_path, capsys
     assert len(summary["losses"]) == 4  # (the whole run's: the checkpoint's steps 1-2 and this run's 3-4)
     assert summary["steps"] == 2 and summary["resumed_from_step"] == 2
     assert f"loss {summary['first_loss']:.4f} (step 3) -> {summary['final_loss']:.4f} (step 4)" in done, done
+    main([*job, "--max_steps", "5", "--resume_from_checkpoint", str(tmp_path / "checkpoint-4")])  # one step: 'step 5'
+    done = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("done: "))
+    assert done.startswith("done: 1 step (step 5, resumed from step 4) at 256 tokens"), done
 
 
 @pytest.mark.parametrize("flags, message", [
