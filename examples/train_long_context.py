@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import warnings
 from dataclasses import dataclass, field, fields
@@ -318,10 +319,29 @@ DEPRECATED = {f"--{old}": f"--{new}" for old, new in RENAMED_FIELDS.items()}
 class _Parser(HfArgumentParser):
     """argparse's own errors (a value of the wrong type, a missing value) print the prog and a pointer to --help
     before the error, not the usage of every flag (~190 lines); every refusal is printed once by the processes
-    `hf-sparse-cp launch` starts, each of which parses the same flags (`refusals.exit_refused`)."""
+    `hf-sparse-cp launch` starts, each of which parses the same flags (`refusals.exit_refused`). A refusal of a flag
+    that only the recipe gives names the recipe and its line (`recipe_source`)."""
+
+    recipe: tuple[str, dict[str, Any]] | None = None  # (the recipe as given, its flag: value pairs)
+    typed: frozenset[str] = frozenset()  # (the flags the command line gives after the recipe's, without dashes)
 
     def error(self, message: str):
-        self.exit(2, f"usage: {self.prog} [FLAGS] ({self.prog} --help lists them)\n{self.prog}: error: {message}\n")
+        self.exit(2, f"usage: {self.prog} [FLAGS] ({self.prog} --help lists them)\n{self.prog}: error: {message}"
+                     f"{self.recipe_source(message)}\n")
+
+    def recipe_source(self, message: str) -> str:
+        """' (from the recipe NAME: `flag: value`)' for the flags `message` names that the recipe gives, unless the
+        command line gives them too and the message does not quote the recipe's value as argparse quotes a value it
+        cannot convert (it converts both, the recipe's first); '' otherwise. (#50: a recipe's `cp_size: two` was
+        refused as `argument --cp_size/--cp-size: invalid int value: 'two'`, naming no file.)"""
+        if self.recipe is None:
+            return ""
+        given, mapping = self.recipe
+        named = dict.fromkeys(name.replace("-", "_") for name in re.findall(r"(?<![\w-])--(\w[\w-]*)", message))
+        shown = {name: json.dumps(value) if isinstance(value, dict) else str(value) for name, value in mapping.items()}
+        lines = [f"`{name}: {shown[name]}`" for name in named if name in mapping and (
+            name not in self.typed or f"'{shown[name]}'" in message or f"got {shown[name]} " in message)]
+        return f" (from the recipe {given}: {', '.join(lines)})" if lines else ""
 
     def exit(self, status: int = 0, message: str | None = None):
         if status == REFUSED and message:
@@ -329,9 +349,9 @@ class _Parser(HfArgumentParser):
         super().exit(status, message)
 
 
-def _refuse(parser: HfArgumentParser, message: str) -> None:
+def _refuse(parser: _Parser, message: str) -> None:
     """Exit with `message` in one line, like argparse's own errors (without the usage of hundreds of flags)."""
-    parser.exit(2, f"{parser.prog}: error: {message}\n")
+    parser.exit(2, f"{parser.prog}: error: {message}{parser.recipe_source(message)}\n")
 
 
 def take_recipe(argv: list[str]) -> tuple[list[str], str | None]:
@@ -424,6 +444,8 @@ def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
             except FileNotFoundError:  # (named among the shipped training recipes alone, the kind it takes)
                 path = recipe_path(recipe, ("train",))
             flags = recipe_flags(str(path), recipe)
+            parser.recipe = recipe, read_mapping(str(path), "")
+            parser.typed = frozenset(arg.split("=", 1)[0][2:].replace("-", "_") for arg in argv if arg.startswith("--"))
             argv, from_recipe = flags + argv, len(flags)
     except (OSError, ValueError) as e:  # a recipe that is not there or not a mapping: the error names it
         _refuse(parser, str(e))
@@ -532,7 +554,7 @@ def build_trainer(
     else:
         collator = default_data_collator
     # The one switch: SparseTrainer sets up sparse attention, CP and SMET from the flags in `training`.
-    return SparseTrainer(
+    trainer = SparseTrainer(
         model=model,
         args=training,
         train_dataset=train_data,
@@ -540,6 +562,30 @@ def build_trainer(
         processing_class=tokenizer,
         callbacks=callbacks,
     )
+    note_short_documents(script, trainer)
+    return trainer
+
+
+def note_short_documents(script: ScriptArguments, trainer: SparseTrainer) -> None:
+    """Warn, on the main process, when --pack_documents packs documents shorter than the pattern's min_seq_len into
+    sequences that reach it: every layer then runs dense on them, while the start-up line (which knows the sequence
+    length, not the documents') says the layers are sparse (#50: `--sparse_max_length 2048 --pack_documents 4` logged
+    a kept fraction of 1.0 without a word of why)."""
+    from hf_sparse_cp.integration.backend import model_config_for
+    from hf_sparse_cp.trainer.attach import describe_layers
+
+    training = trainer.args
+    document = training.sparse_max_length // script.pack_documents
+    if (script.pack_documents == 1 or not training.sparse_attention or training.cp_schedule
+            or not trainer.is_world_process_zero()
+            or describe_layers(trainer.model, training.sparse_max_length)[1]  # (the start-up line said it)
+            or not describe_layers(trainer.model, document)[1]):
+        return
+    pattern = model_config_for(trainer.model)
+    logger.warning("--pack_documents %d packs documents of %d tokens, under min_seq_len=%d: every layer runs dense on "
+                   "them (kept fraction 1.0). Pack fewer documents (at most %d), raise --sparse_max_length, or give "
+                   "--sparse_config trial (a shipped pattern sparse at every length).", script.pack_documents,
+                   document, pattern.min_seq_len, max(1, training.sparse_max_length // pattern.min_seq_len))
 
 
 def aligned_width(script, training) -> str:
@@ -609,7 +655,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if trainer.is_world_process_zero():
         if script.summary_file:
             write_output(Path(script.summary_file), json.dumps(summary, indent=2))
-        saved = checkpoints_note(training)
+        # (#50: after --save_final_model the line said only "no checkpoints (the demo's default; ...)")
+        saved = checkpoints_note(training) + (f" | final model in {training.output_dir}" if script.save_final_model
+                                              else "")
         if not logged:
             loss = "no step trained"
         elif summary["first_loss_step"] == summary["final_loss_step"]:  # (one logged loss: nothing to compare)
@@ -622,8 +670,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                  else f"at {training.sparse_max_length} tokens{aligned_width(script, training)} on "
                  f"{parallel.world_size} process(es), CP={parallel.cp_size}")
         steps = summary["steps"]
-        resumed = (f" ({f'steps {start + 1}-{trainer.state.global_step}, ' if steps else ''}resumed from step "
-                   f"{start})" if start else "")
+        ran = (f"step {start + 1}, " if steps == 1 else
+               f"steps {start + 1}-{trainer.state.global_step}, " if steps else "")
+        resumed = f" ({ran}resumed from step {start})" if start else ""  # (#50: one step read 'steps 3-3')
         print(
             f"done: {steps} step{'s' if steps != 1 else ''}{resumed} {shape} | {loss} | mean kept fraction "
             f"{summary['mean_kept_fraction']:.3f} | {saved}"

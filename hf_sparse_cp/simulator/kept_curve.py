@@ -223,7 +223,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("report")
     p.add_argument("--setting", default="defaults")
     args = p.parse_args(argv)
-    curve = KeptCurve.from_report(args.report, args.setting)
+    try:  # (a report not there, not JSON or without the setting: a usage error naming it, not a traceback)
+        curve = KeptCurve.from_report(args.report, args.setting)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
     DEFAULT_CURVE_FILE.write_text(json.dumps(curve.to_dict(), indent=1) + "\n")
     print(f"wrote {DEFAULT_CURVE_FILE}: {curve.source}")
 

@@ -41,6 +41,7 @@ from .memory_model import (
     PRESETS,
     SEARCH_LIMIT,
     Architecture,
+    MemoryEstimate,
     StepSettings,
     longest_fitting_length,
     predict_step_memory,
@@ -106,7 +107,7 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
                    "holds up to this multiple of the mean of the blocks, plus one block).")
     p.add_argument("--fsdp", type=at_least(1), default=1,
                    help="Ranks the weights, gradients and optimizer state are sharded over (FSDP2), e.g. 8 with --cp 8 "
-                   "on 8 GPUs.")
+                   "on 8 GPUs: 1 or a multiple of --cp (FSDP2 shards over every rank of a CP group).")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="The compute dtype (the Trainer's --bf16: bfloat16, --fp16: float16, neither: float32).")
     p.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=True,
@@ -214,6 +215,11 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--kept-curve {args.kept_curve} would not be read: --layout-width bound sizes every layout at "
                      "all the blocks of its rows; drop --layout-width bound to size them from the curve, or drop "
                      "--kept-curve.")
+    if args.fsdp > 1 and args.fsdp % args.cp:  # (#50: --cp 8 --fsdp 3 was answered, a run no launch can make)
+        parser.error(f"--fsdp {args.fsdp} with --cp {args.cp}: FSDP2 shards the model over every rank of a CP group "
+                     "(accelerate's dp_shard x cp mesh; without a ParallelismConfig, over all processes), so its "
+                     f"degree is a multiple of --cp: e.g. --fsdp {args.cp} (or {2 * args.cp} with two data-parallel "
+                     "groups), or --fsdp 1 without FSDP.")
 
 
 # How far measured peaks were from the predictions (docs/memory.md, "Validation"): within 2% below on CPU processes
@@ -256,23 +262,37 @@ def predict(args: argparse.Namespace, capacity: float, arch: Architecture | None
 MODEL_STATE_TERMS = ("weights", "gradients", "optimizer state", "optimizer step temporaries", "autocast weight copies")
 
 
-def _nothing_fits(args: argparse.Namespace, arch: Architecture, budget: float) -> str:
-    """Why not even the shortest length tried (`GRANULARITY` tokens per rank) fits, from its prediction: the model's
-    state (FSDP shards it), or the terms of the sequence (at a high CP degree the shortest length is long: attention
-    layouts span every key block of it)."""
+def _shortest_fix(args: argparse.Namespace, arch: Architecture) -> tuple[MemoryEstimate, str]:
+    """The prediction at the shortest length tried (`GRANULARITY` tokens per rank) and what would fit it on a GPU
+    that it outgrows: the model's state (FSDP shards it), or the terms of the sequence (at a high CP degree the
+    shortest length is long: attention layouts span every key block of it)."""
     shortest = GRANULARITY * args.cp
     est = predict_step_memory(arch, shortest, settings_for_length(args, arch)(shortest))
-    terms = est.terms()
-    state = sum(b for t, b in terms.items() if t in MODEL_STATE_TERMS)
-    largest = ", ".join(f"{t} {_gb(b)}" for t, b in list(terms.items())[:3])
-    head = (f"Not even {shortest:,} tokens ({shortest // args.cp:,} per rank, the shortest length tried) fit: the "
-            f"peak there is {_gb(est.peak_bytes)} of the {_gb(budget)} usable (largest terms: {largest})")
+    state = sum(b for t, b in est.terms().items() if t in MODEL_STATE_TERMS)
     if state >= est.peak_bytes / 2:  # (the model's state is most of the peak)
-        fixes = [f"shard the model's state over more ranks (--fsdp {2 * args.fsdp})"] + (
+        fixes = [f"shard the model's state over more ranks (--fsdp {max(2 * args.fsdp, args.cp)})"] + (
             ["train a model loaded in bf16 (--no-master-weights)"] if args.master_weights else [])
-        return f"{head}; {', '.join(fixes)} or use a larger GPU."
+        return est, f"{', '.join(fixes)} or use a larger GPU"
     fewer = f"fewer CP ranks (--cp {args.cp // 2}) try shorter sequences, or " if args.cp > 1 else ""
-    return f"{head}, mostly for the sequence; {fewer}use a larger GPU."
+    return est, f"mostly for the sequence: {fewer}use a larger GPU"
+
+
+def _nothing_fits(args: argparse.Namespace, arch: Architecture, budget: float) -> str:
+    """Why not even the shortest length tried fits, from its prediction (`_shortest_fix`)."""
+    shortest = GRANULARITY * args.cp
+    est, fix = _shortest_fix(args, arch)
+    largest = ", ".join(f"{t} {_gb(b)}" for t, b in list(est.terms().items())[:3])
+    return (f"Not even {shortest:,} tokens ({shortest // args.cp:,} per rank, the shortest length tried) fit: the "
+            f"peak there is {_gb(est.peak_bytes)} of the {_gb(budget)} usable (largest terms: {largest}); {fix}.")
+
+
+def _none_at_band_top(args: argparse.Namespace, arch: Architecture, budget: float) -> str:
+    """What the margin of the measured band leaves where no length fits with it (#50: this read "with that margin,
+    0 tokens"): the shortest length tried, its peak at the band's top, and the fix."""
+    shortest = GRANULARITY * args.cp
+    est, fix = _shortest_fix(args, arch)
+    return (f"not even {shortest:,} tokens, the shortest length tried (its peak, {_gb(est.peak_bytes)}, is "
+            f"{_gb(est.peak_bytes * MEASURED_BAND[1])} at the band's top, over the {_gb(budget)} usable; {fix})")
 
 
 def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> dict:
@@ -325,10 +345,11 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
         bounded = longest + GRANULARITY * args.cp > SEARCH_LIMIT
         head = (f"At least {longest:,} tokens fit (the search stops at {SEARCH_LIMIT:,})" if bounded else
                 f"Longest sequence that fits: {longest:,} tokens")
+        at_top = f"{margin:,} tokens" if margin else _none_at_band_top(args, arch, budget)
         print(f"{head} ({longest // args.cp:,} per rank). Measured peaks were "
               f"{1 - low:.0%} below to {high - 1:.0%} above these predictions (docs/memory.md): with that margin, "
-              f"{margin:,} tokens." + (" (That band was measured with the ring: the head groups' all-to-all terms "
-                                       "are counted on the code, not yet measured.)" if head_size > 1 else ""))
+              f"{at_top}." + (" (That band was measured with the ring: the head groups' all-to-all terms "
+                              "are counted on the code, not yet measured.)" if head_size > 1 else ""))
     else:
         print(_nothing_fits(args, arch, budget))
     for n, r in report["lengths"].items():

@@ -8,7 +8,6 @@ the page and the command give the same numbers:
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from .memory_cli import build_parser, predict
@@ -67,5 +66,21 @@ def rewrite(path: str | Path) -> None:
     path.write_text(head + block() + rest.split(END, 1)[1])
 
 
+def main(argv: list[str] | None = None) -> None:
+    """`python -m hf_sparse_cp.simulator.memory_table PAGE`: rewrite PAGE's generated block; a page not given, not
+    there or without the block is refused as argparse refuses a flag (#50: an IndexError or a traceback)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m hf_sparse_cp.simulator.memory_table",
+                                description="Rewrite the predictions block of docs/memory.md from `hf-sparse-cp "
+                                "memory`'s code.")
+    p.add_argument("page", help="The page holding the block, e.g. docs/memory.md.")
+    args = p.parse_args(argv)
+    try:
+        rewrite(args.page)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+
+
 if __name__ == "__main__":
-    rewrite(sys.argv[1])
+    main()

@@ -440,6 +440,17 @@ def check_optimizer_resumable(trainer: Trainer) -> None:
         "(--fsdp, which loads the sharded state), or resume in one process.")
 
 
+def _as_flag(resume_from_checkpoint: str | bool | None) -> str | bool | None:
+    """`--resume_from_checkpoint true` (or false) as the Trainer's `True` (`False`), unless a folder has that name: a
+    script hands `train()` the string it parsed (`TrainingArguments.resume_from_checkpoint` is a str), which the Trainer
+    took for a checkpoint's path (#50: "Checkpoint 'true' does not exist", where a requeued job's flag should take the
+    newest complete checkpoint)."""
+    if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "false") and \
+            not os.path.isdir(resume_from_checkpoint):
+        return resume_from_checkpoint.lower() == "true"
+    return resume_from_checkpoint
+
+
 def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: PatchSet,
                         cp_schedule: str | None = None) -> None:
     """Mark the checkpoints `trainer` saves (with FSDP2, adding their sharded state) and check a checkpoint
@@ -459,6 +470,7 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
 
     @functools.wraps(train)
     def checked_train(resume_from_checkpoint=None, *args, **kwargs):
+        resume_from_checkpoint = _as_flag(resume_from_checkpoint)
         folder = resume_from_checkpoint
         try:
             with flag_errors():  # (a checkpoint that does not fit the run's flags: refused as a bad flag)

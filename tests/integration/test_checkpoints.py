@@ -186,6 +186,26 @@ def test_resume_true_passes_over_an_incomplete_newest_checkpoint_for_the_newest_
     assert all(torch.equal(a, b) for a, b in zip(before, again.model.parameters()))  # nothing was loaded
 
 
+def test_resume_from_checkpoint_true_as_a_script_passes_it_takes_the_newest_complete_checkpoint(saved, tmp_path,
+                                                                                                monkeypatch):
+    """`--resume_from_checkpoint true` (docs/curriculum-and-checkpoints.md: a requeued job's usual flag) reaches
+    `train()` as the string a script parsed, which was taken for a path: "Checkpoint 'true' does not exist". It is
+    True (and "false" False) unless a folder has that name."""
+    out, losses = saved
+    subprocess.run(["cp", "-r", str(out), str(tmp_path / "run")], check=True)
+    (tmp_path / "run" / "checkpoint-4" / MARKER).write_text(json.dumps({"complete": False, "step": 4}))
+    trainer = _trainer(tmp_path / "run", resume_from_checkpoint="true")
+    trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+    assert trainer.state.global_step == 4 and _losses(trainer) == losses
+    fresh = _trainer(tmp_path / "fresh", max_steps=1)
+    fresh.train(resume_from_checkpoint="False")  # (no checkpoint read: one step from the start)
+    assert fresh.state.global_step == 1
+    (tmp_path / "true").mkdir()  # a folder of that name is a path (here one that holds no checkpoint)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="^Can't find a valid checkpoint at true$"):  # (the Trainer's, on a path)
+        _trainer(tmp_path / "other").train(resume_from_checkpoint="true")
+
+
 def test_detach_removes_the_protection(tmp_path):
     trainer = _trainer(tmp_path)
     assert any(isinstance(cb, CheckpointMarkerCallback) for cb in trainer.callback_handler.callbacks)

@@ -104,3 +104,29 @@ def test_the_last_line_states_the_width_of_rows_aligned_documents_pad(tmp_path):
     assert aligned_width(script, training(960)) == note
     assert aligned_width(script, training(1152)) == ""  # (documents of 384 tokens: already whole blocks)
     assert aligned_width(ScriptArguments(pack_documents=3), training(960)) == ""
+
+
+def test_documents_packed_below_min_seq_len_are_said_to_run_dense(tmp_path, caplog):
+    """`--sparse_max_length 2048 --pack_documents 4` packs 512-token documents, under the demo's min_seq_len 1024:
+    every layer ran dense (kept fraction 1.0) while the start-up line, which knows the row's length, said both layers
+    were sparse. A warning now names the document length and the fixes; documents that reach min_seq_len, and rows
+    the start-up line already calls dense, get none."""
+    import logging
+
+    from hf_sparse_cp.examples.train_long_context import build_trainer, parse_args
+
+    def warned(*flags: str) -> list[str]:
+        caplog.clear()
+        script, training, *_ = parse_args(["--output_dir", str(tmp_path), "--num_samples", "1", "--tiny_num_layers",
+                                           "1", *flags])
+        with caplog.at_level(logging.WARNING):
+            build_trainer(script, training)
+        return [r.getMessage() for r in caplog.records if "packs documents" in r.getMessage()]
+
+    said = warned("--sparse_max_length", "2048", "--pack_documents", "4")
+    assert said == ["--pack_documents 4 packs documents of 512 tokens, under min_seq_len=1024: every layer runs dense "
+                    "on them (kept fraction 1.0). Pack fewer documents (at most 2), raise --sparse_max_length, or give "
+                    "--sparse_config trial (a shipped pattern sparse at every length)."], said
+    assert warned("--sparse_max_length", "2048", "--pack_documents", "2") == []  # (1024-token documents: sparse)
+    assert warned("--sparse_max_length", "512", "--pack_documents", "2") == []  # (the start-up line's note says it)
+    assert warned("--sparse_max_length", "2048", "--pack_documents", "4", "--sparse_config", "trial") == []

@@ -100,7 +100,14 @@ def test_save_steps_saves_checkpoints(tmp_path, capsys, single_thread):
     assert f"checkpoints in {tmp_path / 'saved'}" in capsys.readouterr().out
     main([*job, "--output_dir", str(tmp_path / "demo")])
     assert not list((tmp_path / "demo").glob("checkpoint-*"))
-    assert "no checkpoints (the demo's default; --save_steps N saves every N steps)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "no checkpoints (the demo's default; --save_steps N saves every N steps)" in said
+    assert "final model" not in said
+    # the model --save_final_model saves is named: the line said only "no checkpoints (the demo's default; ...)"
+    main([*job, "--output_dir", str(tmp_path / "final"), "--save_final_model"])
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+    assert f"no checkpoints (the demo's default; --save_steps N saves every N steps) | final model in " \
+           f"{tmp_path / 'final'}" in capsys.readouterr().out
 
 
 def test_cli_env(capsys):
@@ -150,6 +157,9 @@ def test_the_done_line_of_a_resumed_run_counts_the_steps_it_ran(tmp_path, capsys
     assert len(summary["losses"]) == 4  # (the whole run's: the checkpoint's steps 1-2 and this run's 3-4)
     assert summary["steps"] == 2 and summary["resumed_from_step"] == 2
     assert f"loss {summary['first_loss']:.4f} (step 3) -> {summary['final_loss']:.4f} (step 4)" in done, done
+    main([*job, "--max_steps", "5", "--resume_from_checkpoint", str(tmp_path / "checkpoint-4")])  # one step: 'step 5'
+    done = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("done: "))
+    assert done.startswith("done: 1 step (step 5, resumed from step 4) at 256 tokens"), done
 
 
 @pytest.mark.parametrize("flags, message", [

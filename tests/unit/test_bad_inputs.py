@@ -636,6 +636,28 @@ def test_an_accelerate_config_given_as_a_recipe_is_named_a_launch_config(capsys,
         assert "unrecognized arguments" not in err
 
 
+def test_a_refused_recipe_value_names_the_recipe_and_its_line(capsys, tmp_path):
+    """Issue #50: a recipe's wrong value was refused as the command line's (`argument --cp_size/--cp-size: invalid int
+    value: 'two'`, `unrecognized arguments: --foo_bar 3`), naming neither the file nor its line, where the pages say a
+    wrong type in a file is refused naming the file. A value typed on the command line stays the command line's."""
+    cases = [("cp_size: two", "argument --cp_size/--cp-size: invalid int value: 'two'", "`cp_size: two`"),
+             ("bf16: maybe", "argument --bf16: Truthy value expected: got maybe", "`bf16: maybe`"),
+             ("foo_bar: 3", "unrecognized arguments: --foo_bar 3", "`foo_bar: 3`"),
+             ("sparse_block_size: 48", "block_size (--sparse_block_size)=48 must be a power of two",
+              "`sparse_block_size: 48`")]
+    for i, (line, refused, named) in enumerate(cases):
+        recipe = tmp_path / f"recipe{i}.yaml"
+        recipe.write_text(f"sparse_max_length: 512\n{line}\n")
+        for argv in (["--recipe", str(recipe)], [str(recipe), "--max_steps", "1"]):
+            err = _train_command_error(capsys, argv)
+            assert refused in err and f"(from the recipe {recipe}: {named})" in err, err
+    # the command line's own value, and its value over a recipe's that it replaces, name no recipe
+    err = _train_command_error(capsys, ["--recipe", "qwen2.5-3b_32k", "--sparse_block_size", "48"])
+    assert "must be a power of two" in err and "from the recipe" not in err, err
+    err = _train_command_error(capsys, ["--recipe", "qwen2.5-3b_32k", "--max_steps", "x"])
+    assert "invalid int value: 'x'" in err and "from the recipe" not in err, err
+
+
 def test_train_given_a_script_runs_it_as_launch_does(capsys, tmp_path):
     """Issue #50: `hf-sparse-cp train run_clm.py ...` ended in the example's 'unrecognized arguments: run_clm.py'; a
     `.py` path (or -m module) is the script `launch` runs (here a missing one, refused as `launch` refuses it). Its

@@ -134,7 +134,7 @@ def test_the_shipped_curve_is_the_committed_measurement():
     assert not DEFAULT_CURVE.measures(SparseAttentionConfig(local_window=256))
 
 
-def test_the_shipped_curve_file_is_written_from_a_report(tmp_path, monkeypatch):
+def test_the_shipped_curve_file_is_written_from_a_report(tmp_path, monkeypatch, capsys):
     """`python -m hf_sparse_cp.simulator.kept_curve REPORT` writes what DEFAULT_CURVE reads back the same."""
     from hf_sparse_cp.simulator import kept_curve
 
@@ -144,6 +144,14 @@ def test_the_shipped_curve_file_is_written_from_a_report(tmp_path, monkeypatch):
     written = KeptCurve.from_dict(json.loads((tmp_path / "shipped.json").read_text()))
     assert written == KeptCurve.from_report(path, "other") and written.points[-1].beyond_context
     assert KeptCurve.from_dict(DEFAULT_CURVE.to_dict()) == DEFAULT_CURVE
+    # a report not there, or without the setting: a usage error naming it (a traceback), the shipped file untouched
+    shipped = (tmp_path / "shipped.json").read_text()
+    for argv, said in (([str(tmp_path / "missing.json")], "missing.json: No such file or directory"),
+                       ([str(path), "--setting", "nosuch"], "nosuch")):
+        with pytest.raises(SystemExit) as ended:
+            kept_curve.main(argv)
+        assert ended.value.code == 2 and said in capsys.readouterr().err
+    assert (tmp_path / "shipped.json").read_text() == shipped
 
 
 def ring(s: int = 131072, cp: int = 8):

@@ -544,6 +544,11 @@ def test_the_memory_command_answers_how_long_fits(capsys, tmp_path):
     (["--model", "qwen2.5-0.5b", "--sparse-config", ""], "--sparse-config '' is empty (an unset shell variable?): "
      "give its value, or drop the flag."),
     (["--model", "qwen2.5-0.5b", "--json", ""], "--json '' is empty (an unset shell variable?)"),
+    # FSDP2 shards over every rank of a CP group: a degree no launch makes was answered (#50)
+    (["--model", "qwen2.5-3b", "--cp", "8", "--fsdp", "3"], "--fsdp 3 with --cp 8: FSDP2 shards the model over every "
+     "rank of a CP group (accelerate's dp_shard x cp mesh; without a ParallelismConfig, over all processes), so its "
+     "degree is a multiple of --cp: e.g. --fsdp 8 (or 16 with two data-parallel groups), or --fsdp 1 without FSDP."),
+    (["--model", "qwen2.5-3b", "--cp", "4", "--fsdp", "2"], "--fsdp 2 with --cp 4: FSDP2 shards"),
 ])
 def test_the_memory_command_names_bad_input(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -800,6 +805,26 @@ def test_nothing_fitting_at_a_high_cp_degree_names_the_sequences_terms_not_the_m
     assert "Not even 67,108,864 tokens (1,024 per rank, the shortest length tried) fit" in said
     assert "largest terms: attention layouts" in said and "mostly for the sequence" in said
     assert "fewer CP ranks (--cp 32768)" in said and "--fsdp" not in said and "--no-master-weights" not in said
+
+
+def test_nothing_fitting_for_the_models_state_names_an_fsdp_degree_the_cp_degree_allows(capsys):
+    """The fix named for a model's state too large for one GPU is an FSDP degree that shards over whole CP groups:
+    at --cp 4 it said --fsdp 2, which the command refuses (FSDP2 shards over every rank of a CP group)."""
+    cli_main(["memory", "--model", "qwen2.5-7b", "--no-master-weights", "--cp", "4"])
+    said = capsys.readouterr().out.splitlines()[1]
+    assert said.startswith("Not even 4,096 tokens") and "(--fsdp 4)" in said, said
+    assert memory_cli.main(["--model", "qwen2.5-7b", "--no-master-weights", "--cp", "4", "--fsdp", "4",
+                            "--quiet"])["longest_fitting_tokens"] > 0
+
+
+def test_no_length_fitting_within_the_measured_band_says_so_and_names_the_fix(capsys):
+    """Qwen2.5-3B in fp32 weights on one 80 GB GPU fits 167,936 tokens, but its state alone (61.7 GB at 1,024 tokens)
+    is over the 72 GB usable at the band's top (+26%): the command said "with that margin, 0 tokens"."""
+    cli_main(["memory", "--model", "qwen2.5-3b", "--gpu-memory", "80GB"])
+    said = capsys.readouterr().out.splitlines()[1]
+    assert said.startswith("Longest sequence that fits: 167,936 tokens") and "0 tokens" not in said, said
+    assert "with that margin, not even 1,024 tokens, the shortest length tried (its peak, 61.7 GB, is 77.8 GB at " \
+           "the band's top, over the 72.0 GB usable; shard the model's state over more ranks (--fsdp 2)" in said, said
 
 
 def test_a_config_without_layers_or_heads_is_refused(tmp_path, capsys):
