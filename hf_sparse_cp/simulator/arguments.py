@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -27,7 +28,13 @@ from .step_model import CLUSTERS, HARDWARE, PEAK_TFLOPS, Hardware
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description as written (its command lines), and every flag's default after its help."""
+    """The description as written (its command lines), and every flag's default after its help, unless the help
+    already says it (`default 0.9: 72 GB of 80`) or there is none to say (None: the help says what stands in)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or re.search(r"\(default[ :)]|default:", action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 class FlagParser(argparse.ArgumentParser):
