@@ -572,3 +572,48 @@ def test_a_lora_card_with_evaluations_has_one_results_section_holding_every_metr
     for log in evals:
         assert f"| {log['step']} | {log['eval_loss']:.4f} | {log['eval_accuracy']:.4f} | 510 |" in card
     assert "eval runtime" not in card and "Validation Loss" not in card
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["whole model", "lora adapter"])
+def test_the_card_of_a_sequence_classifier_loads_it_with_its_head(tmp_path, lora):
+    """A run that trains a sequence-classification head: its card's quick start loads the saved model (or the
+    adapter's base) with AutoModelForSequenceClassification, the trained `score` head and all, and runs a forward.
+    Before, it said AutoModelForCausalLM, which loads the checkpoint into a causal LM whose `lm_head` is new and
+    random (the trained head dropped with a warning), and generates from it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+
+    base_dir, out = tmp_path / "base", tmp_path / "out"
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(tiny_config("llama", vocab_size=len(tok), num_labels=3))
+    if lora:
+        model.save_pretrained(str(base_dir))
+        model = get_peft_model(AutoModelForSequenceClassification.from_pretrained(str(base_dir)),
+                               LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS"))
+    ids = torch.arange(160).remainder(200).add(3)
+    rows = [{"input_ids": ids, "attention_mask": torch.ones(160, dtype=torch.long), "labels": torch.tensor(i)}
+            for i in range(2)]
+    args = SparseTrainingArguments(output_dir=str(out), max_steps=1, per_device_train_batch_size=2, report_to="none",
+                                   save_strategy="no", use_cpu=True, learning_rate=0.1, sparse_block_size=16,
+                                   sparse_min_seq_len=64, sparse_vertical_topk=2, sparse_slash_topk=2)
+    trainer = SparseTrainer(model=model, args=args, train_dataset=rows, data_collator=default_data_collator,
+                            processing_class=tok)
+    try:
+        trainer.train()
+        trainer.save_model()  # writes the card
+        trained = trainer.model.merge_and_unload() if lora else trainer.model
+        trained = {name: value.detach().clone() for name, value in trained.state_dict().items()}
+    finally:
+        disable_sparse_attention(trainer.model)
+    load = _python_blocks((out / "README.md").read_text())[0]
+    assert "AutoModelForSequenceClassification.from_pretrained(" in load and "generate" not in load
+    loaded = {}
+    exec(load, loaded)  # loads the saved tokenizer and runs a forward
+    model = loaded["model"].merge_and_unload() if lora else loaded["model"]
+    assert type(model).__name__ == "LlamaForSequenceClassification"
+    assert model.state_dict().keys() == trained.keys()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, trained[name], msg=name)
