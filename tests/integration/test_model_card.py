@@ -470,6 +470,26 @@ def test_a_length_set_above_the_data_is_stated_beside_the_longest_sequence_train
     assert "| sequence length | 4,096 tokens set; the longest sequence trained held 200 |" in card, card
 
 
+def test_a_run_that_sets_no_length_states_the_longest_sequence_trained_and_no_set_length(tmp_path):
+    """#50: without --sparse_max_length the trainer takes the first row's length (96) for its pattern; the card
+    called it set: "96 tokens set; the longest sequence trained held 144", where nothing set a length."""
+    from padding import pad_collate
+
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    rows = [{"input_ids": ids, "labels": ids} for ids in (torch.randint(3, 200, (n,)) for n in (96, 144))]
+    args = SparseTrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2,
+                                   report_to="none", save_strategy="no", use_cpu=True, sparse_block_size=32,
+                                   sparse_min_seq_len=128)
+    trainer = SparseTrainer(model=model, args=args, train_dataset=rows, data_collator=pad_collate)
+    trainer.train()
+    trainer.create_model_card()
+    card = (tmp_path / "README.md").read_text()
+    assert "| sequence length | 144 tokens (the longest sequence trained) |" in card, card
+
+
 def test_a_packing_collators_examples_are_not_counted_as_sequences(tmp_path):
     """#50: a DataCollatorWithFlattening packing 2 documents of 128 tokens into each 256-token row: the card said
     "4 training sequences" and "2 distinct sequences per optimizer step" beside "sequence length 256 tokens",
