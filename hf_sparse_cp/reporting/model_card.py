@@ -42,6 +42,7 @@ from transformers import DataCollatorWithFlattening, Trainer
 
 from ..backends import PLOT_EXTRA
 from ..config import SparseAttentionConfig
+from ..config.sparse_attention import BACKEND_NAME, language_config
 from ..distributed import ParallelDims
 from ..integration import compat
 from ..integration.given import require_trainer
@@ -157,7 +158,14 @@ def distinct_train_batch_size(trainer: Trainer, cp_size: int) -> int:
 
 
 def _sparse_config(trainer: Trainer) -> SparseAttentionConfig | None:
-    return SparseAttentionConfig.stored_on(getattr(trainer.model, "config", None))
+    """The pattern the model attends with: the one its config stores, where its (language model's) attention runs
+    `sparse_cp`. A model loaded from an earlier run's folder stores that run's pattern (config.json's
+    `sparse_attention`) whatever this run attends with: a dense run of it (--sparse_attention false, sdpa) had a card
+    saying it trained with that pattern."""
+    config = getattr(trainer.model, "config", None)
+    if config is None or getattr(language_config(config), "_attn_implementation", None) != BACKEND_NAME:
+        return None
+    return SparseAttentionConfig.stored_on(config)
 
 
 def _describe_pattern(config: SparseAttentionConfig) -> str:

@@ -490,6 +490,29 @@ def test_a_run_that_sets_no_length_states_the_longest_sequence_trained_and_no_se
     assert "| sequence length | 144 tokens (the longest sequence trained) |" in card, card
 
 
+def test_a_dense_run_of_a_model_saved_by_a_sparse_run_is_described_as_dense(tmp_path):
+    """#50: a model saved by a sparse run keeps its pattern in config.json (`sparse_attention`); a dense run of it
+    (--sparse_attention false, sdpa) had a card saying it trained with that pattern ("attention | `sparse_cp`:
+    vertical-slash ...")."""
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+    from hf_sparse_cp.config.sparse_attention import MODEL_CONFIG_ATTRIBUTE
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    setattr(model.config, MODEL_CONFIG_ATTRIBUTE, PATTERN.to_dict())  # (what a sparse run's save leaves)
+    model.save_pretrained(str(tmp_path / "sparse_run"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "sparse_run"), attn_implementation="sdpa")
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 200, (2, 160)).unbind()]
+    args = SparseTrainingArguments(output_dir=str(tmp_path / "dense"), max_steps=1, per_device_train_batch_size=2,
+                                   report_to="none", save_strategy="no", use_cpu=True, sparse_attention=False)
+    trainer = SparseTrainer(model=model, args=args, train_dataset=rows, data_collator=default_data_collator)
+    trainer.train()
+    trainer.save_model()  # writes the card
+    card = (tmp_path / "dense" / "README.md").read_text()
+    assert "| attention | dense (the sparse_cp backend was not used) |" in card, card
+    assert "vertical-slash" not in card and "Sparse attention config" not in card
+
+
 def test_a_packing_collators_examples_are_not_counted_as_sequences(tmp_path):
     """#50: a DataCollatorWithFlattening packing 2 documents of 128 tokens into each 256-token row: the card said
     "4 training sequences" and "2 distinct sequences per optimizer step" beside "sequence length 256 tokens",
