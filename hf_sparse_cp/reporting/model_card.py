@@ -401,7 +401,7 @@ def _generate_lines(tokenizer: str | None, generates: bool = True) -> list[str]:
     return [f'tokenizer = AutoTokenizer.from_pretrained("{tokenizer}")',
             'inputs = tokenizer("Once upon a time", return_tensors="pt")',
             "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))" if generates else
-            "print(model(**inputs).logits)"]
+            "print(model(**inputs))"]
 
 
 def _imports(model: str | None, tokenizer: str | None) -> str:
