@@ -42,6 +42,7 @@ from transformers import DataCollatorWithFlattening, Trainer
 
 from ..backends import PLOT_EXTRA
 from ..config import SparseAttentionConfig
+from ..config.sparse_attention import BACKEND_NAME, language_config
 from ..distributed import ParallelDims
 from ..integration import compat
 from ..integration.given import require_trainer
@@ -157,7 +158,14 @@ def distinct_train_batch_size(trainer: Trainer, cp_size: int) -> int:
 
 
 def _sparse_config(trainer: Trainer) -> SparseAttentionConfig | None:
-    return SparseAttentionConfig.stored_on(getattr(trainer.model, "config", None))
+    """The pattern the model attends with: the one its config stores, where its (language model's) attention runs
+    `sparse_cp`. A model loaded from an earlier run's folder stores that run's pattern (config.json's
+    `sparse_attention`) whatever this run attends with: a dense run of it (--sparse_attention false, sdpa) had a card
+    saying it trained with that pattern."""
+    config = getattr(trainer.model, "config", None)
+    if config is None or getattr(language_config(config), "_attn_implementation", None) != BACKEND_NAME:
+        return None
+    return SparseAttentionConfig.stored_on(config)
 
 
 def _describe_pattern(config: SparseAttentionConfig) -> str:
@@ -352,22 +360,58 @@ def _saves_tokenizer(trainer: Trainer, output_dir: Path) -> bool:
     return trainer.processing_class is not None or getattr(trainer.data_collator, "tokenizer", None) is not None
 
 
-def _generate_lines(tokenizer: str | None) -> list[str]:
+class _Loader(NamedTuple):
+    """How the card's quick start loads the saved model: the transformers class to call `from_pretrained` on, and
+    whether the model generates (a classification head runs a forward instead)."""
+
+    name: str
+    generates: bool
+
+
+def _loader(model: torch.nn.Module) -> _Loader:
+    """The class that loads `model`'s checkpoint as `model` (its head included): the Auto class whose mapping names
+    its transformers class (a class FSDP2 made, FSDPLlamaForCausalLM, read as the class it subclasses), else that
+    class itself. AutoModelForCausalLM loads a sequence-classification checkpoint into a causal LM, its `score`
+    head dropped for a new random `lm_head` (a warning its only sign), and has no `generate` to call."""
+    from transformers.models.auto import modeling_auto
+
+    generates = bool(getattr(model, "can_generate", lambda: True)())
+    classes = [c.__name__ for c in type(model).__mro__ if c.__module__.startswith("transformers.models.")]
+    for name in classes:
+        for auto, mapping in _AUTO_CLASSES:
+            names = getattr(modeling_auto, mapping, {}).values()
+            if any(name == value or (isinstance(value, tuple) and name in value) for value in names):
+                return _Loader(auto, generates)
+    return _Loader(classes[0] if classes else "AutoModelForCausalLM", generates)
+
+
+# The Auto classes a trained model's card may load it with, in the order they are tried (a class in several
+# mappings, e.g. a vision-language model's, loads with the first).
+_AUTO_CLASSES = (("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+                 ("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
+                 ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+                 ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
+                 ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),
+                 ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"))
+
+
+def _generate_lines(tokenizer: str | None, generates: bool = True) -> list[str]:
     if tokenizer is None:
         return ["# no tokenizer was saved with the model: tokenize with the one it was trained with"]
     return [f'tokenizer = AutoTokenizer.from_pretrained("{tokenizer}")',
             'inputs = tokenizer("Once upon a time", return_tensors="pt")',
-            "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))"]
+            "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))" if generates else
+            "print(model(**inputs))"]
 
 
-def _imports(model: bool, tokenizer: str | None) -> str:
-    return ", ".join(["AutoModelForCausalLM"] * model + ["AutoTokenizer"] * (tokenizer is not None))
+def _imports(model: str | None, tokenizer: str | None) -> str:
+    return ", ".join([model] * (model is not None) + ["AutoTokenizer"] * (tokenizer is not None))
 
 
-def _load_base(base: str | None, extra: str = "") -> str:
+def _load_base(base: str | None, loader: _Loader, extra: str = "") -> str:
     if not base:
         return "base = ...  # the base model the adapter was trained on (adapter_config.json names none)"
-    return f'base = AutoModelForCausalLM.from_pretrained("{base}"{extra})'
+    return f'base = {loader.name}.from_pretrained("{base}"{extra})'
 
 
 def _adapter_quick_start(trainer: Trainer, peft_model: Any, sparse: SparseAttentionConfig | None,
@@ -375,20 +419,23 @@ def _adapter_quick_start(trainer: Trainer, peft_model: Any, sparse: SparseAttent
     """How to load a PEFT adapter onto its base model (the one adapter_config.json names, or the user's when it
     names none: a base model built from a config) and generate, and how to train on with the sparse pattern."""
     name, base = _model_name(trainer), peft_model.active_peft_config.base_model_name_or_path
+    loader = _loader(peft_model.get_base_model())
     where = f"its base model, `{base}` (named in adapter_config.json)" if base else \
         "the base model it was trained on (adapter_config.json names none)"
     lines = [f"This folder holds a PEFT adapter (adapter_config.json and its weights), not a whole model: load it onto "
-             f"{where} with `peft`. It loads and generates without `hf-sparse-cp`, with any attention "
+             f"{where} with `peft`. It loads and {_runs(loader)} without `hf-sparse-cp`, with any attention "
              "implementation:", "", "```python", "from peft import PeftModel",
-             *([f"from transformers import {_imports(bool(base), tokenizer)}"] if base or tokenizer else []), "",
-             _load_base(base), f'model = PeftModel.from_pretrained(base, "{name}")', *_generate_lines(tokenizer),
+             *([f"from transformers import {_imports(loader.name if base else None, tokenizer)}"]
+               if base or tokenizer else []), "",
+             _load_base(base, loader), f'model = PeftModel.from_pretrained(base, "{name}")',
+             *_generate_lines(tokenizer, loader.generates),
              "```", ""]
     if sparse is not None:
         lines += ["To train on with the sparse pattern, load the base model with `attn_implementation=\"sparse_cp\"`, "
                   "configure the pattern on it (the one above: an adapter saves no config.json to hold it) and add "
                   "the adapter:", "", "```python", "import hf_sparse_cp", "from peft import PeftModel",
-                  *(["from transformers import AutoModelForCausalLM"] if base else []), "", "hf_sparse_cp.patch()",
-                  _load_base(base, ', attn_implementation="sparse_cp"'),
+                  *([f"from transformers import {loader.name}"] if base else []), "", "hf_sparse_cp.patch()",
+                  _load_base(base, loader, ', attn_implementation="sparse_cp"'),
                   f"hf_sparse_cp.configure(base, hf_sparse_cp.SparseAttentionConfig.from_dict({sparse.given()!r}))",
                   f'model = PeftModel.from_pretrained(base, "{name}", is_trainable=True)', "```", ""]
     return lines
@@ -402,14 +449,20 @@ def _quick_start(trainer: Trainer, sparse: SparseAttentionConfig | None, output_
     peft_model = _peft_model(trainer)
     if peft_model is not None:
         return _adapter_quick_start(trainer, peft_model, sparse, tokenizer)
-    lines = ["The weights are a standard transformers checkpoint: the model loads and generates without "
+    loader = _loader(trainer.accelerator.unwrap_model(trainer.model))
+    lines = [f"The weights are a standard transformers checkpoint: the model loads and {_runs(loader)} without "
              "`hf-sparse-cp`, with any attention implementation (e.g. `attn_implementation=\"sdpa\"`):", "",
-             "```python", f"from transformers import {_imports(True, tokenizer)}", "",
-             f'model = AutoModelForCausalLM.from_pretrained("{name}")', *_generate_lines(tokenizer), "```", ""]
+             "```python", f"from transformers import {_imports(loader.name, tokenizer)}", "",
+             f'model = {loader.name}.from_pretrained("{name}")', *_generate_lines(tokenizer, loader.generates),
+             "```", ""]
     if sparse is not None:
         lines += ["To train on with the sparse pattern, call `hf_sparse_cp.patch()` and load it with "
                   "`attn_implementation=\"sparse_cp\"`.", ""]
     return lines
+
+
+def _runs(loader: _Loader) -> str:
+    return "generates" if loader.generates else "runs"
 
 
 def _throughput(trainer: Trainer, max_length: int | None) -> str:

@@ -116,6 +116,14 @@ def check_cpu_fsdp_version(args: TrainingArguments, env: Mapping[str, str] = os.
         raise ValueError("--load_best_model_at_end under FSDP reloads the best checkpoint's FSDP state "
                          "(pytorch_model_fsdp.bin), which --save_only_model does not save: drop --save_only_model or "
                          "--load_best_model_at_end.")
+    # (on CPU processes the run trained and marked each checkpoint complete holding no weights: the model of a sharded
+    # state dict type is saved with the optimizer's state, which --save_only_model skips)
+    if args.save_only_model and _sharded_state_dict_type(args, env):
+        where = ("set state_dict_type FULL_STATE_DICT in --fsdp_config" if args.fsdp_plugin_args is not None else
+                 "set fsdp_state_dict_type: FULL_STATE_DICT in the accelerate config (FSDP2's default is sharded)")
+        raise ValueError("--save_only_model under FSDP with a sharded state_dict_type saves checkpoints without the "
+                         f"model's weights (the Trainer refuses the pair where FSDP runs on accelerators): {where}, "
+                         "or drop --save_only_model.")
 
 
 def check_fsdp2_model(model: torch.nn.Module | None, plugin: FullyShardedDataParallelPlugin | None) -> None:
@@ -171,6 +179,14 @@ def check_auto_wrap_policy(model: torch.nn.Module, plugin: FullyShardedDataParal
                              f"({sum(p.numel() for p in module.parameters())} parameters), which accelerate's FSDP2 "
                              "cannot shard: use TRANSFORMER_BASED_WRAP with transformer_layer_cls_to_wrap (this "
                              f"model's layers: {layers}).")
+
+
+def _sharded_state_dict_type(args: TrainingArguments, env: Mapping[str, str]) -> bool:
+    """Whether the FSDP2 plugin built from `args` (else from accelerate launch's variables in `env`) takes a sharded
+    state dict type, as the Trainer reads it ("SHARDED_STATE_DICT" in its name; 3, its number, from a variable)."""
+    value = (args.fsdp_plugin_args or {}).get("state_dict_type") or env.get("FSDP_STATE_DICT_TYPE",
+                                                                            "SHARDED_STATE_DICT")
+    return "SHARDED_STATE_DICT" in str(value).upper() or str(value) == "3"
 
 
 def _plugin_setting(args: TrainingArguments, env: Mapping[str, str], key: str, variable: str) -> tuple[bool, bool]:

@@ -307,7 +307,8 @@ class SparseTrainerMixin:
             _refuse_empty_datasets(type(self).__name__, kwargs)
         longest_stage = max((s.seq_len for s in parse_schedule(args.cp_schedule)), default=None) if (
             args.cp_schedule) else None
-        self.max_length = args.sequence_length or longest_stage or _first_length(kwargs.get("train_dataset"))
+        self._length_set = args.sequence_length or longest_stage
+        self.max_length = self._length_set or _first_length(kwargs.get("train_dataset"))
         self._packed_documents = _packs_documents(kwargs.get("data_collator"), args)
         loaded_here = isinstance(model, str)  # (TRL loads a model named by its Hub id in its own __init__)
         if model is not None and not loaded_here:  # (None: `model_init`'s, configured in `call_model_init`)
@@ -424,8 +425,11 @@ class SparseTrainerMixin:
         given = {name: value for name, value in kwargs.items() if value is not None}
         metrics = StepMetricsCallback.of(self)
         schedule, stages = card_stages(self)
-        return write_sparse_model_card(self, parallel=self.parallel, max_length=self.max_length,
-                                       longest_trained=getattr(metrics, "longest_trained", None),
+        longest = getattr(metrics, "longest_trained", None)
+        # (a length the arguments set; the first row's length, what `max_length` holds without one, is no setting:
+        # the card said "96 tokens set" beside the 144-token rows trained, where nothing set a length)
+        length = self._length_set if longest is not None else self.max_length
+        return write_sparse_model_card(self, parallel=self.parallel, max_length=length, longest_trained=longest,
                                        cp_schedule=schedule, cp_stages=stages,
                                        first_step=getattr(metrics, "first_step", 0),
                                        create_card=super().create_model_card,

@@ -470,6 +470,49 @@ def test_a_length_set_above_the_data_is_stated_beside_the_longest_sequence_train
     assert "| sequence length | 4,096 tokens set; the longest sequence trained held 200 |" in card, card
 
 
+def test_a_run_that_sets_no_length_states_the_longest_sequence_trained_and_no_set_length(tmp_path):
+    """#50: without --sparse_max_length the trainer takes the first row's length (96) for its pattern; the card
+    called it set: "96 tokens set; the longest sequence trained held 144", where nothing set a length."""
+    from padding import pad_collate
+
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    rows = [{"input_ids": ids, "labels": ids} for ids in (torch.randint(3, 200, (n,)) for n in (96, 144))]
+    args = SparseTrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2,
+                                   report_to="none", save_strategy="no", use_cpu=True, sparse_block_size=32,
+                                   sparse_min_seq_len=128)
+    trainer = SparseTrainer(model=model, args=args, train_dataset=rows, data_collator=pad_collate)
+    trainer.train()
+    trainer.create_model_card()
+    card = (tmp_path / "README.md").read_text()
+    assert "| sequence length | 144 tokens (the longest sequence trained) |" in card, card
+
+
+def test_a_dense_run_of_a_model_saved_by_a_sparse_run_is_described_as_dense(tmp_path):
+    """#50: a model saved by a sparse run keeps its pattern in config.json (`sparse_attention`); a dense run of it
+    (--sparse_attention false, sdpa) had a card saying it trained with that pattern ("attention | `sparse_cp`:
+    vertical-slash ...")."""
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+    from hf_sparse_cp.config.sparse_attention import MODEL_CONFIG_ATTRIBUTE
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    setattr(model.config, MODEL_CONFIG_ATTRIBUTE, PATTERN.to_dict())  # (what a sparse run's save leaves)
+    model.save_pretrained(str(tmp_path / "sparse_run"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "sparse_run"), attn_implementation="sdpa")
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 200, (2, 160)).unbind()]
+    args = SparseTrainingArguments(output_dir=str(tmp_path / "dense"), max_steps=1, per_device_train_batch_size=2,
+                                   report_to="none", save_strategy="no", use_cpu=True, sparse_attention=False)
+    trainer = SparseTrainer(model=model, args=args, train_dataset=rows, data_collator=default_data_collator)
+    trainer.train()
+    trainer.save_model()  # writes the card
+    card = (tmp_path / "dense" / "README.md").read_text()
+    assert "| attention | dense (the sparse_cp backend was not used) |" in card, card
+    assert "vertical-slash" not in card and "Sparse attention config" not in card
+
+
 def test_a_packing_collators_examples_are_not_counted_as_sequences(tmp_path):
     """#50: a DataCollatorWithFlattening packing 2 documents of 128 tokens into each 256-token row: the card said
     "4 training sequences" and "2 distinct sequences per optimizer step" beside "sequence length 256 tokens",
@@ -572,3 +615,48 @@ def test_a_lora_card_with_evaluations_has_one_results_section_holding_every_metr
     for log in evals:
         assert f"| {log['step']} | {log['eval_loss']:.4f} | {log['eval_accuracy']:.4f} | 510 |" in card
     assert "eval runtime" not in card and "Validation Loss" not in card
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["whole model", "lora adapter"])
+def test_the_card_of_a_sequence_classifier_loads_it_with_its_head(tmp_path, lora):
+    """A run that trains a sequence-classification head: its card's quick start loads the saved model (or the
+    adapter's base) with AutoModelForSequenceClassification, the trained `score` head and all, and runs a forward.
+    Before, it said AutoModelForCausalLM, which loads the checkpoint into a causal LM whose `lm_head` is new and
+    random (the trained head dropped with a warning), and generates from it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+
+    base_dir, out = tmp_path / "base", tmp_path / "out"
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(tiny_config("llama", vocab_size=len(tok), num_labels=3))
+    if lora:
+        model.save_pretrained(str(base_dir))
+        model = get_peft_model(AutoModelForSequenceClassification.from_pretrained(str(base_dir)),
+                               LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS"))
+    ids = torch.arange(160).remainder(200).add(3)
+    rows = [{"input_ids": ids, "attention_mask": torch.ones(160, dtype=torch.long), "labels": torch.tensor(i)}
+            for i in range(2)]
+    args = SparseTrainingArguments(output_dir=str(out), max_steps=1, per_device_train_batch_size=2, report_to="none",
+                                   save_strategy="no", use_cpu=True, learning_rate=0.1, sparse_block_size=16,
+                                   sparse_min_seq_len=64, sparse_vertical_topk=2, sparse_slash_topk=2)
+    trainer = SparseTrainer(model=model, args=args, train_dataset=rows, data_collator=default_data_collator,
+                            processing_class=tok)
+    try:
+        trainer.train()
+        trainer.save_model()  # writes the card
+        trained = trainer.model.merge_and_unload() if lora else trainer.model
+        trained = {name: value.detach().clone() for name, value in trained.state_dict().items()}
+    finally:
+        disable_sparse_attention(trainer.model)
+    load = _python_blocks((out / "README.md").read_text())[0]
+    assert "AutoModelForSequenceClassification.from_pretrained(" in load and "generate" not in load
+    loaded = {}
+    exec(load, loaded)  # loads the saved tokenizer and runs a forward
+    model = loaded["model"].merge_and_unload() if lora else loaded["model"]
+    assert type(model).__name__ == "LlamaForSequenceClassification"
+    assert model.state_dict().keys() == trained.keys()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, trained[name], msg=name)

@@ -156,7 +156,12 @@ def test_fsdp1_in_a_process_without_accelerator_is_refused_as_its_flags_parse(tm
     (("--activation_checkpointing", "true"), ("FSDP_ACTIVATION_CHECKPOINTING", "true"),
      r"^--activation_checkpointing and FSDP's own activation checkpointing \(activation_checkpointing in the FSDP "
      r"config\) cannot both be on: drop --activation_checkpointing"),
-], ids=["save_only_model-load_best", "two-checkpointings"])
+    # the run trained and marked each checkpoint complete holding no weights (#50; the Trainer refuses the pair where
+    # FSDP runs on accelerators): FSDP2's default state dict type, from an accelerate config, is sharded
+    (("--save_strategy", "steps", "--save_only_model", "true"), ("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT"),
+     r"^--save_only_model under FSDP with a sharded state_dict_type saves checkpoints without the model's weights "
+     r"\(the Trainer refuses the pair where FSDP runs on accelerators\): set "),
+], ids=["save_only_model-load_best", "two-checkpointings", "save_only_model-sharded"])
 def test_what_the_trainer_refuses_under_fsdp_is_refused_without_accelerator_as_the_flags_parse(
         tmp_path, monkeypatch, flags, variable, message):
     """The Trainer refuses these under FSDP as it builds its accelerator; on CPU processes FSDP2 starts after that
@@ -168,7 +173,9 @@ def test_what_the_trainer_refuses_under_fsdp_is_refused_without_accelerator_as_t
             return HfArgumentParser(SparseTrainingArguments).parse_args_into_dataclasses(
                 ["--output_dir", str(tmp_path), "--report_to", "none", *flags, *more])
 
-    fsdp_config = {"version": 2, **({"activation_checkpointing": True} if variable else {})}
+    # (the variable's setting in --fsdp_config: FSDP_ACTIVATION_CHECKPOINTING=true as activation_checkpointing: True)
+    setting = {variable[0][len("FSDP_"):].lower(): variable[1] == "true" or variable[1]} if variable else {}
+    fsdp_config = {"version": 2, **setting}
     with pytest.raises(ValueError, match=message) as refused:
         parse("--fsdp", "full_shard", "--fsdp_config", json.dumps(fsdp_config))
     assert is_flag_error(refused.value)
