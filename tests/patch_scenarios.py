@@ -417,6 +417,7 @@ def curriculum() -> Iterator:
         yield [(trainer, "get_train_dataloader"), (trainer.model.config, "sparse_attention")]
         # (the parsed stages: enable_curriculum resolves them for the trainer)
         curriculum = enable_curriculum(trainer, parse_schedule("0:128:1,2:256:2:mass_threshold=0.01"))
+        curriculum.training = True  # (as train() begins it: outside training the model keeps its own pattern)
         curriculum.stage()
         trainer.state.global_step = 2
         curriculum.stage()  # the second stage's pattern goes onto the model
