@@ -99,6 +99,7 @@ def test_simulate_writes_into_folders_that_do_not_exist_yet(tmp_path):
 
 @pytest.mark.parametrize("command", ["simulate", "memory"])
 def test_every_help_entry_has_text_and_its_default(command, monkeypatch):
+    """Every flag has a help text and states its default once (unless None: the help says what stands in)."""
     from hf_sparse_cp.simulator import memory_cli, simulate_cli
 
     monkeypatch.setenv("COLUMNS", "1000")  # (one line per flag)
@@ -108,7 +109,11 @@ def test_every_help_entry_has_text_and_its_default(command, monkeypatch):
         if action.option_strings and action.dest != "help":
             assert action.help, action.option_strings
             entry = next(e for e in entries if e.strip().startswith(action.option_strings[0]))
-            assert "(default: " in entry, entry
+            # its default said once (`memory --help` said "(default 0.9: 72 GB of 80). (default: 0.9)"), and no
+            # "(default: None)" after a help that says what stands in
+            said = len(re.findall(r"\(default[ :)]|default:", entry))
+            assert said == (action.default is not None) or (action.default is None and said == 1), entry
+            assert "(default: None)" not in entry, entry
 
 
 def test_simulate_cluster_script_on_a_packed_mix(tmp_path, monkeypatch):

@@ -1,6 +1,5 @@
 """The cluster simulator counts what the ring executes and times its schedule as the analytic answers say."""
 
-import argparse
 import dataclasses
 import json
 import re
@@ -543,19 +542,3 @@ def test_training_s_cp_size_is_taken_and_a_mistyped_flag_names_the_close_one(com
     assert refused.value.code == 2
     assert "unrecognized arguments: --cp_mdoe ulysses; did you mean --cp_mode for --cp_mdoe?" in capsys.readouterr().err
 
-
-@pytest.mark.parametrize("command", ["memory", "simulate"])
-def test_help_states_each_default_once(command):
-    """`memory --help` said "(default 0.9: 72 GB of 80). (default: 0.9)" and "(default: None)" after helps that say
-    what stands in: a default the help states (`(default ...`, `default:`) is not appended again, nor a None; every
-    other flag's is."""
-    from hf_sparse_cp.simulator import memory_cli, simulate_cli
-
-    parser = {"memory": memory_cli, "simulate": simulate_cli}[command].build_parser()
-    text = " ".join(parser.format_help().split())
-    assert "(default: None)" not in text
-    for action in parser._actions:
-        if not action.option_strings or action.help in (None, argparse.SUPPRESS) or action.default is None:
-            continue
-        entry = " ".join(parser._get_formatter()._expand_help(action).split())  # (as --help prints it)
-        assert len(re.findall(r"\(default[ :)]|default:", entry)) == 1 or action.default == argparse.SUPPRESS, entry
