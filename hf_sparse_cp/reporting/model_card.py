@@ -163,7 +163,7 @@ def _sparse_config(trainer: Trainer) -> SparseAttentionConfig | None:
     `sparse_attention`) whatever this run attends with: a dense run of it (--sparse_attention false, sdpa) had a card
     saying it trained with that pattern."""
     config = getattr(trainer.model, "config", None)
-    if config is None or getattr(language_config(config), "_attn_implementation", None) != BACKEND_NAME:
+    if config is None or compat.attn_implementation(language_config(config)) != BACKEND_NAME:
         return None
     return SparseAttentionConfig.stored_on(config)
 

@@ -262,8 +262,8 @@ def predict(args: argparse.Namespace, capacity: float, arch: Architecture | None
 MODEL_STATE_TERMS = ("weights", "gradients", "optimizer state", "optimizer step temporaries", "autocast weight copies")
 
 
-def _shortest_fix(args: argparse.Namespace, arch: Architecture) -> tuple[MemoryEstimate, str]:
-    """The prediction at the shortest length tried (`GRANULARITY` tokens per rank) and what would fit it on a GPU
+def _shortest_fix(args: argparse.Namespace, arch: Architecture) -> tuple[int, MemoryEstimate, str]:
+    """The shortest length tried (`GRANULARITY` tokens per rank), its prediction and what would fit it on a GPU
     that it outgrows: the model's state (FSDP shards it), or the terms of the sequence (at a high CP degree the
     shortest length is long: attention layouts span every key block of it)."""
     shortest = GRANULARITY * args.cp
@@ -272,15 +272,14 @@ def _shortest_fix(args: argparse.Namespace, arch: Architecture) -> tuple[MemoryE
     if state >= est.peak_bytes / 2:  # (the model's state is most of the peak)
         fixes = [f"shard the model's state over more ranks (--fsdp {max(2 * args.fsdp, args.cp)})"] + (
             ["train a model loaded in bf16 (--no-master-weights)"] if args.master_weights else [])
-        return est, f"{', '.join(fixes)} or use a larger GPU"
+        return shortest, est, f"{', '.join(fixes)} or use a larger GPU"
     fewer = f"fewer CP ranks (--cp {args.cp // 2}) try shorter sequences, or " if args.cp > 1 else ""
-    return est, f"mostly for the sequence: {fewer}use a larger GPU"
+    return shortest, est, f"mostly for the sequence: {fewer}use a larger GPU"
 
 
 def _nothing_fits(args: argparse.Namespace, arch: Architecture, budget: float) -> str:
     """Why not even the shortest length tried fits, from its prediction (`_shortest_fix`)."""
-    shortest = GRANULARITY * args.cp
-    est, fix = _shortest_fix(args, arch)
+    shortest, est, fix = _shortest_fix(args, arch)
     largest = ", ".join(f"{t} {_gb(b)}" for t, b in list(est.terms().items())[:3])
     return (f"Not even {shortest:,} tokens ({shortest // args.cp:,} per rank, the shortest length tried) fit: the "
             f"peak there is {_gb(est.peak_bytes)} of the {_gb(budget)} usable (largest terms: {largest}); {fix}.")
@@ -289,8 +288,7 @@ def _nothing_fits(args: argparse.Namespace, arch: Architecture, budget: float) -
 def _none_at_band_top(args: argparse.Namespace, arch: Architecture, budget: float) -> str:
     """What the margin of the measured band leaves where no length fits with it (#50: this read "with that margin,
     0 tokens"): the shortest length tried, its peak at the band's top, and the fix."""
-    shortest = GRANULARITY * args.cp
-    est, fix = _shortest_fix(args, arch)
+    shortest, est, fix = _shortest_fix(args, arch)
     return (f"not even {shortest:,} tokens, the shortest length tried (its peak, {_gb(est.peak_bytes)}, is "
             f"{_gb(est.peak_bytes * MEASURED_BAND[1])} at the band's top, over the {_gb(budget)} usable; {fix})")
 

@@ -53,7 +53,7 @@ from .arguments import SparseAttentionFlags, SparseCPArguments, flag_errors
 from .callbacks import SparsityLoggingCallback, StepMetricsCallback
 from .checkpoints import protect_checkpoints
 from .context_parallel import disable_trainer_context_parallel, enable_trainer_context_parallel
-from .cpu_fsdp import check_fsdp2_model, disable_cpu_fsdp2, enable_cpu_fsdp2
+from .cpu_fsdp import disable_cpu_fsdp2, set_up_fsdp2
 from .curriculum import disable_curriculum, enable_curriculum, schedule_for
 from .schedule import parse_schedule
 
@@ -462,8 +462,7 @@ def attach_to_trainer(
     if attached_patches(trainer, _PREPARED_AFTER_EVALUATION) is None:
         prepare_for_training_after_evaluation(trainer, record_on(trainer, _PREPARED_AFTER_EVALUATION))
     with flag_errors():  # (--fsdp on CPU processes: FSDP2, as SparseTrainer runs it; accelerate alone runs DDP)
-        if not enable_cpu_fsdp2(trainer):
-            check_fsdp2_model(trainer.model, getattr(trainer.accelerator.state, "fsdp_plugin", None))
+        set_up_fsdp2(trainer)
     if attached_patches(trainer, _STEP_METRICS) is None:
         sparse = compat.attn_implementation(trainer.model.config) == BACKEND_NAME
         count_step_metrics(trainer, record_on(trainer, _STEP_METRICS),

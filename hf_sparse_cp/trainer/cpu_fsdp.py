@@ -126,6 +126,13 @@ def check_cpu_fsdp_version(args: TrainingArguments, env: Mapping[str, str] = os.
                          "or drop --save_only_model.")
 
 
+def set_up_fsdp2(trainer: Trainer) -> None:
+    """`trainer`'s FSDP2: on CPU processes switched on (`enable_cpu_fsdp2`, which checks it against the model);
+    accelerate's own (on accelerators) checked against the model (`check_fsdp2_model`). Raises as they do."""
+    if not enable_cpu_fsdp2(trainer):
+        check_fsdp2_model(trainer.model, getattr(trainer.accelerator.state, "fsdp_plugin", None))
+
+
 def check_fsdp2_model(model: torch.nn.Module | None, plugin: FullyShardedDataParallelPlugin | None) -> None:
     """Raise ValueError, naming the fix, where FSDP2 under `plugin` (CPU processes' or accelerate's own on
     accelerators; None without FSDP) fails on `model` (None until `train()` with a model_init): a PEFT model under

@@ -57,7 +57,7 @@ from .attach import (
 )
 from .callbacks import StepMetricsCallback
 from .context_parallel import check_training_arguments
-from .cpu_fsdp import check_cpu_fsdp_version, check_fsdp2_model, disable_cpu_fsdp2, enable_cpu_fsdp2
+from .cpu_fsdp import check_cpu_fsdp_version, disable_cpu_fsdp2, set_up_fsdp2
 from .curriculum import card_stages, check_schedule_flags
 from .generated_rows import generation_batch_counted_by_trl
 from .plugin_arguments import (
@@ -385,8 +385,7 @@ class SparseTrainerMixin:
         """The stock accelerator, with `--fsdp` running FSDP2 on CPU processes too (`cpu_fsdp.py`)."""
         super().create_accelerator_and_postprocess()
         disable_cpu_fsdp2(self)  # a hyperparameter search builds the accelerator again
-        if not enable_cpu_fsdp2(self):  # (which checks its FSDP2 against the model; accelerate's own is checked here)
-            check_fsdp2_model(self.model, getattr(self.accelerator.state, "fsdp_plugin", None))
+        set_up_fsdp2(self)
         hidden, pc = getattr(self, "_packing_hidden", None), self.accelerator.parallelism_config
         if hidden is not None and pc is not None and pc.cp_size > 1:
             for name in _TRL_PACKING:
@@ -510,7 +509,7 @@ def _tear_down_at_exit() -> None:
     atexit.register(tear_down)
 
 
-_failing_exit: list[int] = []  # (a failing exit code the launcher saw leave the script; python keeps none)
+_failing_exit: list[object] = []  # (a failing exit code the launcher saw leave the script; python keeps none)
 
 
 def note_failing_exit(code: object) -> None:

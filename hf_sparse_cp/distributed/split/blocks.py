@@ -38,6 +38,7 @@ from ...attention.tokens import (
     check_positions_inside_mask,
     packing_positions,
     padding_between_tokens,
+    segments_from_position_ids,
     token_meta_from_kwargs,
 )
 from ...config import check_block_size
@@ -346,7 +347,7 @@ def _packs_documents(inputs: Mapping[str, Any], row: int) -> bool:
         return False
     positions = positions.reshape(-1, positions.shape[-1])
     mine = positions[min(row, positions.shape[0] - 1)].cpu()
-    return bool((mine[1:] != mine[:-1] + 1).any())
+    return bool(segments_from_position_ids(mine[None])[0, -1] > 0)  # (a second document: the positions restart)
 
 
 # Keys describing the whole sequence that are folded into the TokenMeta instead of being sharded.
