@@ -64,7 +64,12 @@ class UnroutedMask(ValueError):
             "(docs/context-parallelism.md lists the tested ones).")
 
 
-class BiasedMask(ValueError):
+class RefusedAtMask(ValueError):
+    """The refusal, at its mask, of a model whose layers would read the mask the backend hands over in a way it
+    cannot compute (`BiasedMask`, `IndexedMask`): its message names the model type and the fix."""
+
+
+class BiasedMask(RefusedAtMask):
     """The refusal of a mask to which the model adds its ALiBi position bias (Falcon with `alibi=True`, whose forward
     materializes the mask for it): the backend takes the 2D padding mask, without the bias."""
 
@@ -74,6 +79,26 @@ class BiasedMask(ValueError):
             "the attention mask, which sparse_cp does not use (it takes the 2D padding mask and applies causality "
             "itself), so it cannot compute this model's attention: load it with attn_implementation='sdpa' or 'eager' "
             "(--sparse_attention false).")
+
+
+class IndexedMask(RefusedAtMask):
+    """The refusal of a mask built for a model whose layers select the keys each query reads with an indexer of
+    their own (`selects_keys_by_index`): the indexer reads the 4D mask eager and sdpa get."""
+
+    def __init__(self, config):
+        super().__init__(
+            f"Model type '{getattr(config, 'model_type', 'unknown')}' selects the keys each query attends to with a "
+            "sparse-attention indexer of its own (DeepSeek-V3.2-style DSA), which reads the 4D mask eager and sdpa "
+            "get, while sparse_cp hands over the 2D padding mask and computes its own pattern, not the indexer's "
+            "selection: load it with attn_implementation='eager' (or 'sdpa' where the model offers it; "
+            "--sparse_attention false).")
+
+
+def selects_keys_by_index(config) -> bool:
+    """Whether `config` has layers of transformers' type 'indexed_attention' (DeepSeek-V3.2, GLM-5 DSA, Hunyuan-V4,
+    AXK2, ...), whose indexer selects the keys each query reads from the mask the model builds for them (DeepSeek-V4's
+    compressed layers, whose indexer reads no mask, are of other types)."""
+    return "indexed_attention" in (getattr(config, "layer_types", None) or ())
 
 
 def computes_own_attention(config) -> bool:
@@ -109,10 +134,13 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     returned marked (`is_bidirectional_mask`), for the attention call handed it to refuse. The mask of a model whose
     attention never reaches the backend raises `UnroutedMask` (its own attention would take it for a causal mask;
     under torch.compile, not checked: the check reads module state a trace would break on), and one a model adds its
-    ALiBi bias to raises `BiasedMask`."""
+    ALiBi bias to raises `BiasedMask`, and one whose layers select keys by an indexer of their own `IndexedMask` (the
+    indexer would fail on the 2D mask, naming no fix)."""
     config = kwargs.get("config")
     if getattr(config, "alibi", False) is True:
         raise BiasedMask(config)
+    if selects_keys_by_index(config):
+        raise IndexedMask(config)
     if not torch.compiler.is_compiling() and computes_own_attention(config):
         raise UnroutedMask(config)
     function = kwargs.get("mask_function")

@@ -66,7 +66,7 @@ from .backend import (
     masked_locality,
     probing,
 )
-from .call_tokens import NonCausalMask, UnroutedMask
+from .call_tokens import NonCausalMask, RefusedAtMask, UnroutedMask
 from .composite import backend_selection, in_tower, switched_to, tower_names
 from .given import require_model
 from .heads import base_model
@@ -155,14 +155,17 @@ def _attention_calls(model: torch.nn.Module, with_shard: bool = False, context_p
     """`_probe` of the model's architecture on the meta device, or of the model itself where the architecture
     does not build or run there, and for a PEFT model, whose adapter may run attention layers of its own that its
     base architecture lacks (SHADOW's network). Raises `ProbeFailed` when neither runs, and the refusal of a model
-    whose mask lets tokens see later ones (`non_causal_refusal`) where its mask function refused it; under CP
-    (`context_parallel`, by default `with_shard`) its fix drops CP too."""
+    whose mask lets tokens see later ones (`non_causal_refusal`) where its mask function refused it, or one its mask
+    function refused otherwise (`RefusedAtMask`); under CP (`context_parallel`, by default `with_shard`) its fix drops
+    CP too."""
     context_parallel = with_shard if context_parallel is None else context_parallel
     if _peft_config(model) is None:
         try:
             return _probe(_architecture(model), "meta", with_shard)
         except NonCausalMask as e:
             raise non_causal_refusal(model, e, context_parallel) from None
+        except RefusedAtMask as e:
+            raise _mask_refusal(e, context_parallel) from None
         except Exception as e:  # any failure on meta: fall back to the real model, whose failure is reported
             logger.info("Probing %s itself: its architecture does not run on the meta device (%s).",
                         type(model).__name__, e)
@@ -170,6 +173,8 @@ def _attention_calls(model: torch.nn.Module, with_shard: bool = False, context_p
         return _probe(model, next(model.parameters()).device, with_shard)
     except NonCausalMask as e:
         raise non_causal_refusal(model, e, context_parallel) from None
+    except RefusedAtMask as e:
+        raise _mask_refusal(e, context_parallel) from None
     except Exception as e:
         model_type = getattr(model.config, "model_type", type(model).__name__)
         raise ProbeFailed(
@@ -179,6 +184,13 @@ def _attention_calls(model: torch.nn.Module, with_shard: bool = False, context_p
             "sparse-attention indexer), where sparse_cp hands over the 2D padding mask. Train it with dense attention "
             "(--sparse_attention false; context parallelism needs sparse_cp)."
         ) from e
+
+
+def _mask_refusal(refused: RefusedAtMask, context_parallel: bool) -> ValueError:
+    """`refused` as it is, or under CP with the fix that drops CP too (its ring needs sparse_cp)."""
+    if not context_parallel:
+        return refused
+    return ValueError(f"{refused} Context parallelism needs sparse_cp: train it without (drop --cp_size).")
 
 
 def non_causal_refusal(model: torch.nn.Module, refused: NonCausalMask, context_parallel: bool) -> ValueError:

@@ -359,20 +359,46 @@ def test_a_model_whose_forward_fails_with_the_backend_is_refused_at_the_switch()
     padding mask, or None) its forward fails before attention. configure() took the model with a warning and the
     first forward failed in the indexer (TypeError: 'NoneType' object is not subscriptable); now the switch is
     refused, naming the architecture and the fix, the model left as it was."""
-    mla = dict(num_key_value_heads=4, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=48, kv_lora_rank=32,
-               q_lora_rank=32, index_topk=64, index_head_dim=32, index_n_heads=2)
     hf_sparse_cp.patch()
     try:
-        model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v32", **mla))
+        model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v32", **_DSA))
         before = compat.attn_implementation(model.config)
-        cause = (r"DeepseekV32ForCausalLM \(model type 'deepseek_v32'\) does not run with attn_implementation="
-                 r"'sparse_cp': a forward of it with the backend failed outside attention \(TypeError")
-        with pytest.raises(ValueError, match=cause + r".*--sparse_attention false"):
+        with pytest.raises(ValueError, match=_INDEXED.format("deepseek_v32") + r".*--sparse_attention false"):
             hf_sparse_cp.configure(model)
         assert compat.attn_implementation(model.config) == before and not hasattr(model.config, "sparse_attention")
         model.set_attn_implementation("sparse_cp")
         with pytest.raises(ValueError, match="DeepseekV32ForCausalLM mixes tokens outside attention"):
             check_model_supports_context_parallel(model)
+    finally:
+        hf_sparse_cp.unpatch()
+
+
+_DSA = dict(num_key_value_heads=4, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=48, kv_lora_rank=32,
+            q_lora_rank=32, index_topk=64, index_head_dim=32, index_n_heads=2)
+_INDEXED = r"Model type '{}' selects the keys each query attends to with a sparse-attention indexer of its own"
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4"])
+def test_a_model_with_indexed_attention_loaded_on_the_backend_is_refused_at_its_mask(model_type):
+    """Models whose layers are of type 'indexed_attention' (DSA: an indexer selects each query's keys from the 4D
+    mask eager and sdpa get), loaded with attn_implementation='sparse_cp' without configure(): their forward failed in
+    the indexer with transformers' "TypeError: 'NoneType' object is not subscriptable" (an IndexError with a padded
+    batch), naming no fix. Their mask is refused naming the fix; DeepSeek-V4, whose layers have an indexer of other
+    types that reads no mask, still runs where its layers are plain attention."""
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="sparse_cp")
+        for mask in (None, torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]])):
+            with pytest.raises(ValueError, match=_INDEXED.format(model_type) + r".*attn_implementation='eager' \(or "
+                                                                               r"'sdpa'.*--sparse_attention false\)"):
+                model(input_ids=torch.randint(3, 50, (1, 8)), attention_mask=mask)
+        plain = tiny_config("deepseek_v4", layer_types=["sliding_attention"] * 2)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(plain, attn_implementation="sparse_cp")
+        ids = torch.randint(3, 50, (1, 16))
+        logits = model(input_ids=ids).logits
+        model.set_attn_implementation("eager")
+        torch.testing.assert_close(logits, model(input_ids=ids).logits)
     finally:
         hf_sparse_cp.unpatch()
 
