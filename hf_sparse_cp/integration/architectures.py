@@ -70,7 +70,7 @@ ARCHITECTURES: dict[str, Support] = {
 # a modeling module's `load_balancing_loss_func` (the loss its MoE causal LM adds with `output_router_logits`) that
 # takes every layer's router logits of the batch's tokens and the batch's padding mask, which the CP wrapper gathers
 # into the whole batch's. Another form (Doge's product-key router `num_keys`, SwitchTransformers' `router_probs`) is
-# left as it is, and CP's start warns (`context_parallel.router_aux_loss_note`).
+# left as it is, and CP's start warns (`cp_checks.router_aux_loss_note`).
 ROUTER_LOSS_PARAMETERS = ("gate_logits", "num_experts", "top_k", "attention_mask")
 _ROUTER_LOSS = "load_balancing_loss_func"
 

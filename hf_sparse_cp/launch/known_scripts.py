@@ -1,7 +1,7 @@
 """What the launcher reads in a script's source before it starts any process: the TRL Trainer classes the script
 builds (`trl_trainers`: TRL's own scripts, `-m trl.scripts.reward`, and any script that builds TRL's trainers by
 name, as TRL's examples/scripts/orpo.py), whose refusals come, without it, only once every process has loaded and
-tokenized the script's data: a trainer whose loss CP does not reproduce (`context_parallel.own_loss_refusal`), and
+tokenized the script's data: a trainer whose loss CP does not reproduce (`cp_checks.own_loss_refusal`), and
 `--use_liger_kernel` on a machine without CUDA (`attach.training_fused_ops`). Where the source does not say for
 sure (a trainer of another package or of the script's own, one built through an attribute, a name bound twice, no
 source), nothing is refused here, and the processes refuse as before. `module_found`: whether `-m name` is there;
@@ -213,11 +213,11 @@ def script_refusal(target: str, is_module: bool, cp_size: int, plugin: PluginArg
 
 
 def trainers_refusal(trainers: Sequence[type] | None, cp_size: int) -> str | None:
-    """The refusal (`context_parallel.own_loss_refusal`) that a script building `trainers` (`trl_trainers`) meets
+    """The refusal (`cp_checks.own_loss_refusal`) that a script building `trainers` (`trl_trainers`) meets
     under CP `cp_size` whichever it builds; None when one of them (or CP 1) trains."""
     if not trainers or cp_size == 1:
         return None
-    from ..trainer.context_parallel import own_loss_refusal
+    from ..trainer.cp_checks import own_loss_refusal
 
     refusals = [own_loss_refusal(trainer, cp_size) for trainer in trainers]
     return refusals[0] if all(refusals) else None

@@ -176,7 +176,7 @@ def refuse_unlaunchable(parser: argparse.ArgumentParser, arguments, processes: i
         cp_size = max(cp_size for _, cp_size in arguments.cp_degrees())
         if cp_size > 1 and config and config.get("distributed_type") == "DEEPSPEED":
             # (imports the Trainer, which the launcher's checks otherwise do without)
-            from hf_sparse_cp.trainer.context_parallel import check_training_arguments
+            from hf_sparse_cp.trainer.cp_checks import check_training_arguments
 
             check_training_arguments(arguments, cp_size, {**env, "ACCELERATE_USE_DEEPSPEED": "true"})
     except ValueError as e:

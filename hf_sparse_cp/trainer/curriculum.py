@@ -56,8 +56,6 @@ from ..smet import SMETConfig
 from .arguments import flag_errors
 from .callbacks import add_to_log
 from .context_parallel import (
-    check_loss,
-    check_training_arguments,
     count_once_per_cp_group,
     cp_group_steps,
     dp_data_loader,
@@ -65,8 +63,8 @@ from .context_parallel import (
     follow_first_ranks_generators,
     pad_token_id,
     step_inputs,
-    warn_inexact,
 )
+from .cp_checks import check_loss, check_training_arguments, warn_inexact
 from .schedule import Stage, parse_schedule
 
 logger = logging.getLogger(__name__)

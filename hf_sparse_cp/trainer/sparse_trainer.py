@@ -56,7 +56,7 @@ from .attach import (
     training_fused_ops,
 )
 from .callbacks import StepMetricsCallback
-from .context_parallel import check_training_arguments
+from .cp_checks import check_training_arguments
 from .cpu_fsdp import check_cpu_fsdp_version, disable_cpu_fsdp2, set_up_fsdp2
 from .curriculum import card_stages, check_schedule_flags
 from .generated_rows import generation_batch_counted_by_trl

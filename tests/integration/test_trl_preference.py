@@ -173,7 +173,7 @@ def test_dpo_with_a_moe_load_balancing_loss_is_refused_under_cp_naming_the_flag(
     with it (TRL's router_aux_loss_coef) is refused at start, naming the flag; without it, DPO passes."""
     from trl import DPOConfig, DPOTrainer
 
-    from hf_sparse_cp.trainer.context_parallel import check_loss
+    from hf_sparse_cp.trainer.cp_checks import check_loss
 
     tokenizer = byte_tokenizer()
     model = AutoModelForCausalLM.from_config(tiny_config("mixtral", vocab_size=len(tokenizer)))

@@ -439,7 +439,7 @@ def test_dropout_under_cp_is_named_with_the_flag_that_turns_it_off():
     from transformers import AutoModelForCausalLM
 
     from hf_sparse_cp.testing.tiny_models import tiny_config
-    from hf_sparse_cp.trainer.context_parallel import dropout_note
+    from hf_sparse_cp.trainer.cp_checks import dropout_note
 
     def lora(dropout):
         model = AutoModelForCausalLM.from_config(tiny_config("llama"))
@@ -458,7 +458,7 @@ def test_dropout_under_cp_names_the_config_field_that_sets_it():
     from transformers import AutoModelForTokenClassification
 
     from hf_sparse_cp.testing.tiny_models import tiny_config
-    from hf_sparse_cp.trainer.context_parallel import dropout_note
+    from hf_sparse_cp.trainer.cp_checks import dropout_note
 
     note = dropout_note(AutoModelForTokenClassification.from_config(tiny_config("qwen2", num_labels=3)))
     assert "dropout (p=0.1)" in note and '"classifier_dropout": 0.0' in note and "unset" in note
@@ -482,7 +482,7 @@ def test_random_moe_routing_under_cp_is_named(model_type, fields, named):
     from transformers import AutoModelForCausalLM
 
     from hf_sparse_cp.testing.tiny_models import tiny_config
-    from hf_sparse_cp.trainer.context_parallel import random_routing_note
+    from hf_sparse_cp.trainer.cp_checks import random_routing_note
 
     note = random_routing_note(AutoModelForCausalLM.from_config(tiny_config(model_type, **fields)))
     assert (note is None) == (named is None) and (named is None or named in note)
@@ -506,7 +506,7 @@ def test_a_moe_router_loss_under_cp_is_named_with_the_flags_that_turn_it_off(fie
     from transformers import AutoModelForCausalLM
 
     from hf_sparse_cp.testing.tiny_models import tiny_config
-    from hf_sparse_cp.trainer.context_parallel import router_aux_loss_note
+    from hf_sparse_cp.trainer.cp_checks import router_aux_loss_note
 
     def trainer(model_type, **more):
         built = SimpleNamespace(model=AutoModelForCausalLM.from_config(tiny_config(model_type, **fields, **more)))
@@ -535,7 +535,7 @@ def test_a_remote_code_router_loss_of_the_gathered_form_is_named_outside_transfo
 
     import transformers.models.mixtral.modeling_mixtral as mixtral
 
-    from hf_sparse_cp.trainer.context_parallel import router_aux_loss_note
+    from hf_sparse_cp.trainer.cp_checks import router_aux_loss_note
 
     def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
         return mixtral.load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)
@@ -559,7 +559,7 @@ def test_the_start_of_cp_warns_on_rank_0_only(caplog):
     from transformers import AutoModelForCausalLM
 
     from hf_sparse_cp.testing.tiny_models import tiny_config
-    from hf_sparse_cp.trainer.context_parallel import warn_inexact
+    from hf_sparse_cp.trainer.cp_checks import warn_inexact
 
     model = AutoModelForCausalLM.from_config(tiny_config("doge", is_moe=True, output_router_logits=True))
     for zero in (False, True):
@@ -580,7 +580,7 @@ def test_a_loss_the_trainer_builds_from_the_shards_outputs_is_refused_under_cp(t
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     from hf_sparse_cp.testing.tiny_models import tiny_config
-    from hf_sparse_cp.trainer.context_parallel import check_loss
+    from hf_sparse_cp.trainer.cp_checks import check_loss
 
     def _mine(outputs, labels, num_items_in_batch=None):
         return outputs.logits.sum()
@@ -615,7 +615,7 @@ def test_a_head_cp_does_not_train_as_one_process_is_refused_under_cp(tmp_path, h
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     from hf_sparse_cp.testing.tiny_models import tiny_config
-    from hf_sparse_cp.trainer.context_parallel import check_loss
+    from hf_sparse_cp.trainer.cp_checks import check_loss
 
     args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])
     config = tiny_config(model_type, pad_token_id=0)
@@ -653,7 +653,7 @@ def test_neftune_with_cp_parses_and_starts(tmp_path, cp):
     from transformers import TrainingArguments
 
     from hf_sparse_cp import SparseTrainingArguments
-    from hf_sparse_cp.trainer.context_parallel import check_training_arguments
+    from hf_sparse_cp.trainer.cp_checks import check_training_arguments
 
     assert SparseTrainingArguments(str(tmp_path), use_cpu=True, neftune_noise_alpha=5.0, **cp).cp_degrees()
     check_training_arguments(TrainingArguments(str(tmp_path), use_cpu=True, neftune_noise_alpha=5.0), 2)
@@ -679,7 +679,7 @@ def test_deepspeed_with_cp_is_refused_naming_fsdp2(tmp_path, monkeypatch):
 
     from transformers import TrainingArguments
 
-    from hf_sparse_cp.trainer.context_parallel import check_training_arguments
+    from hf_sparse_cp.trainer.cp_checks import check_training_arguments
 
     args = TrainingArguments(str(tmp_path), use_cpu=True)
     check_training_arguments(args, 2)
@@ -728,7 +728,7 @@ def test_a_decoder_whose_forward_computes_its_own_unshifted_loss_is_refused_unde
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     from hf_sparse_cp.testing.tiny_models import tiny_config
-    from hf_sparse_cp.trainer.context_parallel import check_loss, dropout_note
+    from hf_sparse_cp.trainer.cp_checks import check_loss, dropout_note
 
     model = AutoModelForCausalLM.from_config(tiny_config("bart", vocab_size=97, max_position_embeddings=256))
     check_loss(Trainer(model=model, args=TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])), 2)
