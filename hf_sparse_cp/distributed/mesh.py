@@ -92,8 +92,9 @@ def ring_shape(cp_size: int, config, env: Mapping[str, str] = os.environ, *,
         return 1, cp_size
     per_node = _ring_node_size(cp_size, config, env, stride)
     if per_node >= cp_size:
+        # (in the launch's ranks, as the flags count them: a hybrid's ring holds 1 / stride of each)
         logger.warning("cp_ring='hierarchical': the CP group (%d ranks) fits in one node of %d ranks, so there is "
-                       "no ring across nodes: the ring is flat, within the node.", cp_size, per_node)
+                       "no ring across nodes: the ring is flat, within the node.", cp_size * stride, per_node * stride)
         return 1, cp_size
     if per_node == 1:
         given = (f"--cp_node_size {config.cp_node_size}" if config.cp_node_size is not None
@@ -121,19 +122,21 @@ def _ring_node_size(cp_size: int, config, env: Mapping[str, str], stride: int) -
     if per_node % stride:
         raise ValueError(f"a node holds {per_node} ranks ({given}), which do not split into head groups of {stride} "
                          "(--cp_ulysses_size): use a head group size that divides the ranks per node.")
-    per_node //= stride
-    if per_node >= cp_size and per_node % cp_size:
+    # The checks in the ring's ranks (1 / stride of the launch's), the refusals in the launch's and --cp_size's (#50:
+    # a hybrid's said 'a node holds 3 ranks (LOCAL_WORLD_SIZE=6), which is not a multiple of cp_size=2' to --cp_size 4)
+    group = cp_size * stride
+    if per_node >= group and per_node % group:
         raise ValueError(
-            f"a node holds {per_node} ranks ({given}), which is not a multiple of cp_size={cp_size}: some CP groups "
+            f"a node holds {per_node} ranks ({given}), which is not a multiple of cp_size={group}: some CP groups "
             "would straddle two nodes unevenly. Use a cp_size that divides the ranks per node or is a multiple of it"
             + (", or the --cp_node_size your nodes hold." if config.cp_node_size is not None else ".")
         )
-    if per_node < cp_size and cp_size % per_node:
+    if per_node < group and group % per_node:
         raise ValueError(
-            f"cp_size={cp_size} is not a multiple of the {per_node} ranks per node ({given}): the hierarchical ring "
+            f"cp_size={group} is not a multiple of the {per_node} ranks per node ({given}): the hierarchical ring "
             "needs whole nodes. Use a cp_size that is a multiple of the ranks per node, or cp_ring='flat'."
         )
-    return per_node
+    return per_node // stride
 
 
 def check_ring(config, env: Mapping[str, str] = os.environ) -> None:

@@ -649,10 +649,13 @@ def _estimated_case(par: ParallelDims, rank: int) -> dict:
     return {"out": rel_rms(out, plan.shard(ref, rank, dim=2)), "sparse": float(layout.kept_fraction(shard.meta)) < 0.95}
 
 
-def _model_case(par: ParallelDims, rank: int, model_type: str) -> dict:
+def _model_case(par: ParallelDims, rank: int, model_type: str, pattern: SparseAttentionConfig = CFG,
+                planned_for: SparseAttentionConfig | None = CFG) -> dict:
     """A causal-LM loss and gradients on a packed row (restarting position_ids) under the planner
     equal one process (#50: with its sparse documents off block boundaries, which the planner moved onto them,
-    they differed: loss 4.7e-5, gradients 0.13 from one process's in a randomized sweep)."""
+    they differed: loss 4.7e-5, gradients 0.13 from one process's in a randomized sweep). `pattern`: the model's;
+    `planned_for`: the sparse_config the row is planned with (None: prepare_context_parallel_inputs' default); a
+    refusal is returned as {"refused": its message}."""
     from transformers import AutoModelForCausalLM
 
     import hf_sparse_cp
@@ -664,7 +667,7 @@ def _model_case(par: ParallelDims, rank: int, model_type: str) -> dict:
     extra = {"sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"]} \
         if model_type == "gemma3_text" else {}
     model = AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size=64, **extra)).double()
-    hf_sparse_cp.configure(model, CFG)
+    hf_sparse_cp.configure(model, pattern)
     s = sum(LENGTHS)
     ids = torch.randint(3, 64, (1, s), generator=torch.Generator().manual_seed(3))
     position_ids = torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)
@@ -673,9 +676,12 @@ def _model_case(par: ParallelDims, rank: int, model_type: str) -> dict:
     ref = model(input_ids=ids, labels=labels, position_ids=position_ids)
     ref_grads = torch.autograd.grad(ref.loss, list(model.parameters()))
     inputs = prepare_context_parallel_inputs({"input_ids": ids, "labels": labels, "position_ids": position_ids}, par,
-                                             block_size=BS, sharding="document", sparse_config=CFG)
+                                             block_size=BS, sharding="document", sparse_config=planned_for)
     num_items = global_num_items(inputs["shift_labels"])
-    loss_sum = model(**inputs, num_items_in_batch=1).loss
+    try:  # (every rank refuses at the same layer, before its collectives)
+        loss_sum = model(**inputs, num_items_in_batch=1).loss
+    except ValueError as refused:
+        return {"refused": str(refused)}
     loss = rank_loss(loss_sum, num_items, par.world_size)
     worst = 0.0
     for grad, ref_grad in zip(torch.autograd.grad(loss, list(model.parameters())), ref_grads):
@@ -847,6 +853,11 @@ def _worker(rank: int, world: int) -> dict:
         hier = ParallelDims.from_config(ContextParallelConfig(cp_size=4, cp_ring="hierarchical", cp_node_size=2,
                                                               cp_sharding="document"))
         results["hier"] = _ring_case(hier, rank, LENGTHS, sparse=True)
+        # one layer sparse from 64 tokens, the others from 4096 (the base pattern): planned with the model's pattern,
+        # and with the default one (sparse from 8192 tokens)
+        overridden = CFG.replace(min_seq_len=4096, layer_overrides={"1": {"min_seq_len": 64}})
+        results["overridden"] = _model_case(hier, rank, "llama", overridden, overridden)
+        results["default_plan"] = _model_case(flat, rank, "llama", planned_for=None)
     return results
 
 
@@ -932,6 +943,21 @@ def test_key_columns_go_only_to_the_ranks_that_list_them(spawned, world):
         for errs in per_rank:
             assert errs["columns"] == errs["column_minimum"], (case, errs)
             assert errs["predicted"] == errs["measured"], (case, errs)
+
+
+def test_a_layer_sparse_only_by_its_override_is_planned_as_sparse(spawned):
+    """A document that only `layer_overrides` attends sparsely (min_seq_len 64 on layer 1, 4096 in the base pattern)
+    keeps its offset inside a block, so that layer equals one process (#50: planned from the base pattern alone it
+    moved, and the loss was 1e-4, the gradients 17% off one process's; under the Trainer too, which plans with the
+    model's pattern). A row planned for another pattern than the model's (`prepare_context_parallel_inputs`' default,
+    sparse from 8192 tokens) is refused, naming the fix (it trained as silently off)."""
+    plan = plan_row(_meta(LENGTHS), CFG.replace(min_seq_len=4096, layer_overrides={"1": {"min_seq_len": 64}}), 4)
+    assert plan.kinds == plan_row(_meta(LENGTHS), CFG, 4).kinds and "sparse" in plan.kinds
+    for errs in spawned(4):
+        assert errs["overridden"]["loss"] <= 1e-6 and errs["overridden"]["grads"] <= 1e-5, errs["overridden"]
+        assert "for a pattern with documents sparse from 8192 tokens on" in errs["default_plan"]["refused"]
+        assert "sparse_config=hf_sparse_cp.SparseAttentionConfig.stored_on(model.config)" in \
+            errs["default_plan"]["refused"]
 
 
 def test_planner_sharded_hierarchical_ring_equals_one_process(spawned):

@@ -18,7 +18,7 @@ from hf_sparse_cp.distributed import (
     shard_inputs,
     shift_labels,
 )
-from hf_sparse_cp.distributed.mesh import ring_shape
+from hf_sparse_cp.distributed.mesh import check_ring, ring_shape
 from hf_sparse_cp.distributed.ring.plan import RingPlan, TransferSets, read_matrix, slot_ops
 from hf_sparse_cp.integration.models import check_model_supports_context_parallel
 from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
@@ -302,6 +302,28 @@ def test_ring_shape_from_launcher_or_flag():
         ring_shape(8, hier, {"LOCAL_WORLD_SIZE": "3"})
     with pytest.raises(ValueError, match="straddle"):
         ring_shape(4, hier, {"LOCAL_WORLD_SIZE": "6"})
+
+
+@pytest.mark.parametrize("cp_size, ulysses, per_node, refused", [
+    (4, 2, 6, "a node holds 6 ranks (LOCAL_WORLD_SIZE=6), which is not a multiple of cp_size=4: some CP groups would "
+              "straddle"),
+    (8, 2, 6, "cp_size=8 is not a multiple of the 6 ranks per node (LOCAL_WORLD_SIZE=6)"),
+])
+def test_a_hybrid_rings_node_refusal_counts_the_launchs_ranks_and_cp_size(cp_size, ulysses, per_node, refused):
+    """A hybrid's ring holds one rank per head group: its node checks ran in the ring's ranks, and the refusals said
+    those (#50: 'a node holds 3 ranks (LOCAL_WORLD_SIZE=6), which is not a multiple of cp_size=2' to --cp_size 4),
+    numbers of neither the launch nor the flags; so did the warning of a ring within one node."""
+    config = ContextParallelConfig(cp_size=cp_size, cp_mode="hybrid", cp_ulysses_size=ulysses, cp_ring="hierarchical")
+    with pytest.raises(ValueError) as error:
+        check_ring(config, {"LOCAL_WORLD_SIZE": str(per_node)})
+    assert str(error.value).startswith(refused), error.value
+
+
+def test_a_hybrid_ring_within_one_node_says_the_launchs_ranks(caplog):
+    config = ContextParallelConfig(cp_size=4, cp_mode="hybrid", cp_ulysses_size=2, cp_ring="hierarchical")
+    with caplog.at_level("WARNING", logger="hf_sparse_cp.distributed.mesh"):
+        assert ring_shape(2, config, {"LOCAL_WORLD_SIZE": "4"}, stride=2) == (1, 2)
+    assert "the CP group (4 ranks) fits in one node of 4 ranks" in caplog.text, caplog.text
 
 
 def test_a_hierarchical_ring_that_comes_out_flat_says_why(caplog):

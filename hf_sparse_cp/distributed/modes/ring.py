@@ -10,7 +10,7 @@ from ..kept_fraction import reported_kept_fraction
 from ..ring.attention import ring_sparse_attention
 from ..ring.estimation import estimate_cp
 from ..split.blocks import ShardPlan
-from ..split.documents import plan_row
+from ..split.documents import check_planned_pattern, plan_row
 from .base import CPAttention, CPMode
 
 
@@ -32,6 +32,7 @@ class RingMode(CPMode):
     def attention(self, query, key, value, shard, cfg, *, scale, sliding_window, sinks, stats) -> CPAttention:
         """The layer's global layout estimated from every rank's shard (`estimate_cp`), then the ring; the sinks
         join each query's merged result."""
+        check_planned_pattern(shard.plan, cfg)
         with torch.no_grad():
             estimate = estimate_cp(query, key, cfg, shard, scale=scale, sliding_window=sliding_window)
             kept = reported_kept_fraction(estimate, shard, cfg, sliding_window)

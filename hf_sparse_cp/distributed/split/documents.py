@@ -36,7 +36,7 @@ from __future__ import annotations
 import bisect
 import functools
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -137,6 +137,9 @@ class DocumentPlan(BlockSplit):
     pieces: tuple[tuple[int, int], ...]
     owners: torch.Tensor
     work: tuple[float, ...]
+    # the shortest document planned as sparse, kept at its offset inside a block (`sparse_from`; inf: none): the
+    # kinds `plan_row` read from a pattern; 1 for kinds given to `plan_documents`, which the plan cannot check
+    sparse_from: float = 1
 
     sharding = "document"
 
@@ -551,6 +554,35 @@ def _materialize(at: _Placement, lengths, leads, kinds, w: int, bs: int) -> Docu
                         torch.cat(owners), tuple(at.load.tolist()))
 
 
+def sparse_from(cfg: SparseAttentionConfig) -> float:
+    """The shortest document that some layer of `cfg` attends with a sparse pattern (`min_seq_len`; inf: every layer
+    dense). Every layer's (`layer_configs`: `layer_overrides` may set a lower min_seq_len, or a sparse pattern over a
+    dense one), since the plan that keeps such a document at its offset inside a block serves every layer: planned
+    from the base pattern alone, a document that only an overridden layer attends sparsely was moved off its offset,
+    and that layer's block grid, so its pattern, differed from one process's (#50)."""
+    return min((max(layer.min_seq_len, 1) for layer in cfg.layer_configs() if layer.pattern != "dense"),
+               default=float("inf"))
+
+
+def check_planned_pattern(plan: BlockSplit, cfg: SparseAttentionConfig) -> None:
+    """Raise ValueError, naming the fix, when `plan` (a `DocumentPlan`; any other split passes) was planned for a
+    pattern under which documents that a layer running `cfg` attends sparsely were dense: the planner moved them off
+    their offset inside a block, which changes their block grid, so their sparse pattern and the layer's result
+    against one process's (#50: `prepare_context_parallel_inputs(..., sharding="document")` without the model's
+    `sparse_config` planned for the default pattern's min_seq_len, 8192, and a model sparse from 64 tokens trained on
+    losses 1e-4 and gradients 20% off one process's, silently)."""
+    if not isinstance(plan, DocumentPlan) or cfg.pattern == "dense" or max(cfg.min_seq_len, 1) >= plan.sparse_from:
+        return
+    planned = ("no document sparse" if plan.sparse_from == float("inf")
+               else f"documents sparse from {int(plan.sparse_from)} tokens on")
+    raise ValueError(
+        f"this layer attends documents of {max(cfg.min_seq_len, 1)} tokens or more with a sparse pattern (min_seq_len"
+        f"={cfg.min_seq_len}), but the batch was split by document (cp_sharding='document') for a pattern with "
+        f"{planned}: the planner keeps only those at their offset inside a block, and a sparse document moved off it "
+        "attends otherwise than in one process. Pass the model's pattern to prepare_context_parallel_inputs: "
+        "sparse_config=hf_sparse_cp.SparseAttentionConfig.stored_on(model.config) (the Trainer does).")
+
+
 def row_runs(meta: TokenMeta, cfg: SparseAttentionConfig) -> tuple[list[int], list[str]]:
     """The runs of a batch [B, S] the planner places, and their kinds: the stretches between the positions that no
     row's document crosses, consecutive positions that are padding in every row forming one padding run.
@@ -559,8 +591,8 @@ def row_runs(meta: TokenMeta, cfg: SparseAttentionConfig) -> tuple[list[int], li
     (a padded batch of unpacked sequences, an eval set) share a run wherever one row's document spans another's
     boundary: a run holds no part of a document that another run holds, in any row, so moving runs moves whole
     documents. A run is padding if every row pads all of it, sparse if any row's document in it is long enough for a
-    pattern (`min_seq_len`), else dense. Padding is `PAD_SEGMENT`, which a run may cut anywhere, and the idle
-    documents `idle_documents_as_padding` marks (segment ids below it), which are padding to the planner but, being
+    pattern in some layer (`sparse_from`), else dense. Padding is `PAD_SEGMENT`, which a run may cut anywhere, and the
+    idle documents `idle_documents_as_padding` marks (segment ids below it), which are padding to the planner but, being
     documents attention still computes, are cut only at their edges. A sparse run after padding starts at the block
     boundary before it where that padding reaches it (`_from_block_boundaries`)."""
     seg = meta.segment.cpu().numpy()  # (numpy: runs every step, on up to a million tokens)
@@ -576,9 +608,10 @@ def row_runs(meta: TokenMeta, cfg: SparseAttentionConfig) -> tuple[list[int], li
     cut &= ~(all_pad & (before > before[stretch]))
     starts = np.flatnonzero(cut)
     sparse = np.zeros(len(starts), dtype=bool)
-    if cfg.pattern != "dense":  # the runs holding a document long enough for a pattern (a document lies in one run)
+    shortest = sparse_from(cfg)
+    if shortest < np.inf:  # the runs holding a document long enough for a pattern (a document lies in one run)
         doc = np.flatnonzero(first)  # every row's runs, flat (a row's first token starts one)
-        long = (np.diff(np.append(doc, b * s)) >= max(cfg.min_seq_len, 1)) & ~pad.reshape(-1)[doc]
+        long = (np.diff(np.append(doc, b * s)) >= shortest) & ~pad.reshape(-1)[doc]
         sparse[np.searchsorted(starts, doc[long] % s, side="right") - 1] = True
     padding = np.logical_and.reduceat(all_pad, starts)  # (a run from an idle stretch may go on past it)
     starts, sparse, padding = _from_block_boundaries(starts, sparse, padding, seg == PAD_SEGMENT, cfg.block_size)
@@ -631,8 +664,9 @@ def plan_row(meta: TokenMeta, cfg: SparseAttentionConfig, cp_size: int, costs: P
     """`plan_documents` for the runs (`row_runs`) of a batch's `TokenMeta` [B, S] under pattern settings `cfg`."""
     lengths, kinds = row_runs(meta, cfg)
     kept = kept_blocks_per_row(cfg) if cfg.pattern != "dense" else None
-    return plan_documents(lengths, kinds, cp_size, cfg.block_size, kept_per_row=kept, costs=costs,
+    plan = plan_documents(lengths, kinds, cp_size, cfg.block_size, kept_per_row=kept, costs=costs,
                           topology=topology)
+    return replace(plan, sparse_from=sparse_from(cfg))
 
 
 def balance_ratio(plan: DocumentPlan) -> float:
@@ -640,5 +674,5 @@ def balance_ratio(plan: DocumentPlan) -> float:
     return max(plan.work) / (sum(plan.work) / len(plan.work)) if any(plan.work) else 1.0
 
 
-__all__ = ["DocumentPlan", "PlannerCosts", "balance_ratio", "idle_documents_as_padding", "kept_blocks_per_row",
-           "plan_documents", "plan_row", "row_runs", "split_every_document"]
+__all__ = ["DocumentPlan", "PlannerCosts", "balance_ratio", "check_planned_pattern", "idle_documents_as_padding",
+           "kept_blocks_per_row", "plan_documents", "plan_row", "row_runs", "sparse_from", "split_every_document"]
