@@ -583,7 +583,8 @@ def check_planned_pattern(plan: BlockSplit, cfg: SparseAttentionConfig) -> None:
         "sparse_config=hf_sparse_cp.SparseAttentionConfig.stored_on(model.config) (the Trainer does).")
 
 
-def row_runs(meta: TokenMeta, cfg: SparseAttentionConfig) -> tuple[list[int], list[str]]:
+def row_runs(meta: TokenMeta, cfg: SparseAttentionConfig, shortest: float | None = None
+             ) -> tuple[list[int], list[str]]:
     """The runs of a batch [B, S] the planner places, and their kinds: the stretches between the positions that no
     row's document crosses, consecutive positions that are padding in every row forming one padding run.
 
@@ -594,7 +595,8 @@ def row_runs(meta: TokenMeta, cfg: SparseAttentionConfig) -> tuple[list[int], li
     pattern in some layer (`sparse_from`), else dense. Padding is `PAD_SEGMENT`, which a run may cut anywhere, and the
     idle documents `idle_documents_as_padding` marks (segment ids below it), which are padding to the planner but, being
     documents attention still computes, are cut only at their edges. A sparse run after padding starts at the block
-    boundary before it where that padding reaches it (`_from_block_boundaries`)."""
+    boundary before it where that padding reaches it (`_from_block_boundaries`). `shortest`: `sparse_from(cfg)`, where
+    the caller has it."""
     seg = meta.segment.cpu().numpy()  # (numpy: runs every step, on up to a million tokens)
     b, s = seg.shape
     pad = seg < 0
@@ -608,7 +610,7 @@ def row_runs(meta: TokenMeta, cfg: SparseAttentionConfig) -> tuple[list[int], li
     cut &= ~(all_pad & (before > before[stretch]))
     starts = np.flatnonzero(cut)
     sparse = np.zeros(len(starts), dtype=bool)
-    shortest = sparse_from(cfg)
+    shortest = sparse_from(cfg) if shortest is None else shortest
     if shortest < np.inf:  # the runs holding a document long enough for a pattern (a document lies in one run)
         doc = np.flatnonzero(first)  # every row's runs, flat (a row's first token starts one)
         long = (np.diff(np.append(doc, b * s)) >= shortest) & ~pad.reshape(-1)[doc]
@@ -662,11 +664,12 @@ def idle_documents_as_padding(meta: TokenMeta, input_ids: torch.Tensor, shifted:
 def plan_row(meta: TokenMeta, cfg: SparseAttentionConfig, cp_size: int, costs: PlannerCosts | None = None,
              topology: RingTopology | None = None) -> DocumentPlan:
     """`plan_documents` for the runs (`row_runs`) of a batch's `TokenMeta` [B, S] under pattern settings `cfg`."""
-    lengths, kinds = row_runs(meta, cfg)
+    shortest = sparse_from(cfg)  # (once: ~2 ms a call with layer_overrides)
+    lengths, kinds = row_runs(meta, cfg, shortest)
     kept = kept_blocks_per_row(cfg) if cfg.pattern != "dense" else None
     plan = plan_documents(lengths, kinds, cp_size, cfg.block_size, kept_per_row=kept, costs=costs,
                           topology=topology)
-    return replace(plan, sparse_from=sparse_from(cfg))
+    return replace(plan, sparse_from=shortest)
 
 
 def balance_ratio(plan: DocumentPlan) -> float:
