@@ -152,13 +152,32 @@ def check_schedule_flags(text: str, sparse_config: SparseAttentionConfig | None,
     stages = parse_schedule(text)
     for i, stage in enumerate(stages):
         with stage.refusals(i):
-            stage.cp_config(cp_config or ContextParallelConfig())
+            stage_cp = stage.cp_config(cp_config or ContextParallelConfig())
         if sparse_config is not None:
-            _stage_config(i, stage, sparse_config)
+            config = _stage_config(i, stage, sparse_config)
+            with stage.refusals(i):
+                _check_zigzag_length(stage, config, stage_cp)
     if max_steps > 0 and all(stage.from_step is not None for stage in stages[1:]):
         _starts(stages, max_steps)
     elif max_steps > 0:
         _check_given_starts(stages, max_steps)
+
+
+def _check_zigzag_length(stage: Stage, sparse_config: SparseAttentionConfig, cp_config: ContextParallelConfig) -> None:
+    """Raise ValueError, naming the fix, when `stage` shards its sequences zigzag (`cp_config`: the stage's) at a
+    length that is not whole head and tail chunks of blocks on every rank: each sequence would be padded to the next
+    multiple of 2 x blocks x CP (#50: `0:256:4:cp_sharding=zigzag` with 64-token blocks passed the whole-blocks check
+    and trained every rank on 128 tokens, 64 of them padding)."""
+    if stage.cp_size == 1 or cp_config.cp_sharding != "zigzag":
+        return
+    unit = 2 * sparse_config.block_size * stage.cp_size
+    if stage.seq_len % unit:
+        padded, block = -(-stage.seq_len // unit) * unit, sparse_config.block_size
+        raise ValueError(
+            f"seq_len={stage.seq_len} does not split into zigzag's head and tail chunks of whole {block}-token blocks "
+            f"on each of {stage.cp_size} CP ranks (a multiple of {unit} does): every sequence would be "
+            f"padded to {padded} tokens. Use {_seq_len_fix(stage.seq_len, unit)}, cp_sharding=striped (whole blocks "
+            "per rank suffice), or another block_size.")
 
 
 def _check_given_starts(stages: Sequence[Stage], max_steps: int) -> None:
@@ -534,6 +553,7 @@ def enable_curriculum(
             with stage.refusals(i):
                 configs.append(stage.cp_config(cp_config))
                 configs[-1].check_model(model.config)  # the stage's layout, before its groups are built
+                _check_zigzag_length(stage, schedule.configs[i], configs[-1])
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     built: list[tuple[ContextParallelConfig, ParallelDims]] = []  # one ParallelDims (and its groups) per layout
     for config in configs:

@@ -140,6 +140,12 @@ def test_invalid_schedules_name_the_fix(text, match):
     ("2:256:2:cp_mode=ulysses:cp_sharding=zigzag", "cp_sharding=zigzag would be ignored under cp_mode=ulysses"),
     ("2:256:2:cp_mode=hybrid:cp_ulysses_size=2:cp_sharding=document", "cp_sharding=document is not available under "
                                                                       "cp_mode=hybrid"),
+    # zigzag gives each rank a head and a tail chunk of whole blocks: 256 over 4 ranks of 64-token blocks was padded to
+    # 512, silently (hybrid's ring too)
+    ("2:256:4:cp_sharding=zigzag", "seq_len=256 does not split into zigzag's head and tail chunks of whole 64-token "
+                                   "blocks on each of 4 CP ranks (a multiple of 512 does): every sequence would be "
+                                   "padded to 512 tokens. Use seq_len=512, cp_sharding=striped"),
+    ("2:384:2:cp_mode=hybrid:cp_ulysses_size=2:cp_sharding=zigzag", "(a multiple of 256 does)"),
 ])
 def test_a_stages_refusal_spells_the_fix_as_the_stage_writes_fields(stage, refused):
     schedule = f"0:128:1,{stage}"
@@ -149,6 +155,19 @@ def test_a_stages_refusal_spells_the_fix_as_the_stage_writes_fields(stage, refus
     message = str(error.value)
     assert message.startswith(f"cp_schedule stage 1 ({stage}): ") and refused in message, message
     assert not re.search(r"\w='|--(?:cp|sparse)_\w+(?:\)| (?!stage))", message), message  # (no repr, no flag)
+
+
+def test_the_runs_zigzag_sharding_checks_every_stages_length():
+    """--cp_sharding zigzag for the run reaches each stage that does not set its own: a stage of 256 tokens over 4
+    ranks of 64-token blocks is refused (each rank needs a head and a tail chunk), one that sets striped is not, and
+    CP 1 stages shard nothing."""
+    from hf_sparse_cp.distributed import ContextParallelConfig
+
+    zigzag = ContextParallelConfig(cp_sharding="zigzag")
+    with pytest.raises(ValueError, match=r"stage 1 \(2:256:4\): seq_len=256 does not split into zigzag's head and "
+                                         r"tail chunks.*a multiple of 512"):
+        check_schedule_flags("0:128:1,2:256:4", PATTERN, max_steps=6, cp_config=zigzag)
+    check_schedule_flags("0:128:1,2:256:4:cp_sharding=striped,4:512:4", PATTERN, max_steps=6, cp_config=zigzag)
 
 
 @pytest.mark.parametrize("schedule", ["0:128:1", "0:256:1,1ep:128:1"], ids=["steps", "epochs"])
