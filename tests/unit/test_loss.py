@@ -102,6 +102,39 @@ def test_chunked_low_precision_is_as_accurate_as_stock(dtype, chunk_size):
         assert _rel_err(g, e) <= 2 * _rel_err(s, e) + 4 * eps
 
 
+def test_fp16_gradients_under_a_loss_scale_are_as_accurate_as_stock():
+    """fp16 training (--fp16) scales the loss by its GradScaler's factor (2^16 at first) so that small gradients stay
+    within fp16's range: the stock loss's gradients of its fp32 logits reach the fp16 head scaled. The chunked loss
+    computed its gradients in forward, divided by the 2048 targets, and rounded them to fp16 there, where probabilities
+    times 1 / 2048 fall below fp16's smallest step (6e-8): the input and weight gradients had 11 times stock's error
+    (4.1e-3 and 3.8e-3 against 3.6e-4; 545 weight gradients exactly 0), and more the more tokens. Computed and held at a
+    power-of-two scale instead, and rescaled in backward, they have stock's (the weight's rounded once per chunk)."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2048, 64, generator=g)
+    weight = torch.randn(4000, 64, generator=g) * 0.02
+    bias = torch.randn(4000, generator=g) * 0.1
+    labels = torch.randint(0, 4000, (2048,), generator=g)
+    loss_scale = 2.0**16
+
+    def grads(loss_fn, amp: bool) -> list[torch.Tensor]:
+        leaves = [t.clone().double().requires_grad_() if not amp else t.clone().requires_grad_()
+                  for t in (hidden, weight, bias)]
+        with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+            loss = loss_fn(*leaves)
+        (loss * loss_scale).backward()
+        return [t.grad / loss_scale for t in leaves]
+
+    def stock(h, w, b):
+        return F.cross_entropy(F.linear(h, w, b).float(), labels)
+
+    def chunked(h, w, b):
+        return chunked_linear_cross_entropy(h, w, labels, bias=b, chunk_size=300)
+
+    exact = grads(stock, amp=False)
+    for ours, theirs, ref in zip(grads(chunked, amp=True), grads(stock, amp=True), exact, strict=True):
+        assert _rel_err(ours, ref) <= 1.5 * _rel_err(theirs, ref)
+
+
 @pytest.mark.parametrize("chunk_size", [7, 64], ids=lambda c: f"chunk_{c}")
 def test_chunked_fp64_gradients_do_not_depend_on_the_chunks(chunk_size):
     """In float64 (the dtype the CP tests compare in) the head and bias gradients, summed over the chunks, keep fp64:
