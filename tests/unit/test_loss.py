@@ -166,7 +166,7 @@ def test_custom_ignore_index_and_scaled_upstream_gradient():
     assert _rel_err(h.grad, h_ref.grad) < 1e-5 and _rel_err(w.grad, w_ref.grad) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_compiled_whole_graph_scales_the_gradient_as_eager(dtype):
     """Under torch.compile (a stock script's --torch_compile) the backward's host read of the incoming gradient broke
     the graph, with a 30-line warning at every compilation: compiled it scales by the tensor, in fp32 as eager does,
