@@ -100,18 +100,20 @@ def _power_of_two_below_ceiling(bound: torch.Tensor, most: int = _FP16_CEILING_B
     return torch.ldexp(torch.ones((), device=bound.device), (_FP16_CEILING_BITS - exponent).clamp(max=most))
 
 
-def _saved_scale(hidden, weight, chunk_size, inv_norm) -> tuple[torch.Tensor, torch.Tensor]:
+def _saved_scale(hidden, weight, chunk_size, inv_norm, need_w) -> tuple[torch.Tensor, torch.Tensor]:
     """(the factor of the gradients the forward computes, the factor backward then rescales them by besides the
     incoming gradient): (1 / normalizer, 1), or in fp16 (s, 1 / (normalizer x s)) with s the largest power of two that
     keeps every chunk's gradient (entries in [-1, 1], rows of L1 norm at most 2: input gradients at most 2 max|W|) and
-    its products with the inputs below 2^15. Normalized in forward, fp16 gradients (1 / normalizer is 1.5e-5 at 64K
-    tokens) times probabilities flushed to zero below 6e-8, before backward scaled them by fp16 training's loss scale,
-    which keeps the stock loss's gradients of its fp32 logits within fp16's range."""
+    its products with the inputs (the hidden states' where the weight's gradient is computed) below 2^15. Normalized
+    in forward, fp16 gradients (1 / normalizer is 1.5e-5 at 64K tokens) times probabilities flushed to zero below 6e-8,
+    before backward scaled them by fp16 training's loss scale, which keeps the stock loss's gradients of its fp32
+    logits within fp16's range."""
     if hidden.dtype != torch.float16:
         return inv_norm, torch.ones_like(inv_norm)
-    rows = min(chunk_size, hidden.shape[0])
-    scale = _power_of_two_below_ceiling(torch.maximum(2 * weight.abs().amax().float(),
-                                                      rows * hidden.abs().amax().float()))
+    bound = 2 * weight.abs().amax().float()
+    if need_w:
+        bound = torch.maximum(bound, min(chunk_size, hidden.shape[0]) * hidden.abs().amax().float())
+    scale = _power_of_two_below_ceiling(bound)
     return scale, inv_norm / scale
 
 
@@ -140,7 +142,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        factor, rescale = _saved_scale(hidden, weight, chunk_size, inv_norm)
+        factor, rescale = _saved_scale(hidden, weight, chunk_size, inv_norm, need_w)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             h = hidden[rows]
