@@ -100,6 +100,14 @@ def _power_of_two_below_ceiling(bound: torch.Tensor, most: int = _FP16_CEILING_B
     return torch.ldexp(torch.ones((), device=bound.device), (_FP16_CEILING_BITS - exponent).clamp(max=most))
 
 
+def _abs_max(x: torch.Tensor) -> torch.Tensor:
+    """max |x| (fp32, 0-d) without an |x| copy of the tensor (the head's weight, the weight-gradient accumulator)."""
+    if not x.numel():  # (no tokens)
+        return torch.zeros((), device=x.device)
+    low, high = torch.aminmax(x)
+    return torch.maximum(-low, high).float()
+
+
 def _saved_scale(hidden, weight, chunk_size, inv_norm, need_w) -> tuple[torch.Tensor, torch.Tensor]:
     """(the factor of the gradients the forward computes, the factor backward then rescales them by besides the
     incoming gradient): (1 / normalizer, 1), or in fp16 (s, 1 / (normalizer x s)) with s the largest power of two that
@@ -110,9 +118,9 @@ def _saved_scale(hidden, weight, chunk_size, inv_norm, need_w) -> tuple[torch.Te
     logits within fp16's range."""
     if hidden.dtype != torch.float16:
         return inv_norm, torch.ones_like(inv_norm)
-    bound = 2 * weight.abs().amax().float()
+    bound = 2 * _abs_max(weight)
     if need_w:
-        bound = torch.maximum(bound, min(chunk_size, hidden.shape[0]) * hidden.abs().amax().float())
+        bound = torch.maximum(bound, min(chunk_size, hidden.shape[0]) * _abs_max(hidden))
     scale = _power_of_two_below_ceiling(bound)
     return scale, inv_norm / scale
 
@@ -123,7 +131,7 @@ def _held(grad: torch.Tensor | None, dtype: torch.dtype | None, device: torch.de
     so that a sum over many chunks neither overflows nor flushes to zero; else 1)."""
     if grad is None or dtype != torch.float16:
         return (None if grad is None else grad.to(dtype)), torch.ones((), device=device)
-    scale = _power_of_two_below_ceiling(grad.abs().amax(), most=100)  # (fp32 reaches 2^127)
+    scale = _power_of_two_below_ceiling(_abs_max(grad), most=100)  # (fp32 reaches 2^127)
     return grad.mul_(scale).to(dtype), scale  # (the accumulator is not used again)
 
 

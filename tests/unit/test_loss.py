@@ -135,6 +135,17 @@ def test_fp16_gradients_under_a_loss_scale_are_as_accurate_as_stock():
         assert _rel_err(ours, ref) <= 1.5 * _rel_err(theirs, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_no_tokens_give_a_nan_loss_and_zero_gradients(dtype):
+    """A call without tokens (N = 0) computes no chunk: the loss is 0 / 0 as stock's mean, the gradients zero (fp16's
+    scale of its gradients is read off the tokens, which there are none of)."""
+    hidden = torch.zeros(0, HIDDEN, dtype=dtype, requires_grad=True)
+    weight = torch.randn(VOCAB, HIDDEN).to(dtype).requires_grad_()
+    loss = chunked_linear_cross_entropy(hidden, weight, torch.zeros(0, dtype=torch.long))
+    loss.backward()
+    assert loss.isnan() and not weight.grad.any() and hidden.grad.shape == hidden.shape
+
+
 @pytest.mark.parametrize("chunk_size", [7, 64], ids=lambda c: f"chunk_{c}")
 def test_chunked_fp64_gradients_do_not_depend_on_the_chunks(chunk_size):
     """In float64 (the dtype the CP tests compare in) the head and bias gradients, summed over the chunks, keep fp64:
