@@ -2,7 +2,7 @@
 
 Layers, bottom up:
 * `_chunk_step`: loss sum of one token chunk and the gradient of the normalized loss w.r.t. its
-  logits, both in fp32;
+  logits (times a factor, in fp16: `_saved_scale`), both in fp32;
 * `_ChunkedLinearCrossEntropy`: an autograd Function that runs the chunks in forward, accumulates
   the input, weight and bias gradients there (the loss is a scalar, so they are known up to the
   incoming scalar gradient) and only rescales them in backward;
@@ -74,19 +74,65 @@ def normalize(loss_sum: torch.Tensor, normalizer: torch.Tensor) -> torch.Tensor:
     return _Normalize.apply(loss_sum, normalizer)
 
 
-def _chunk_step(hidden, weight, bias, targets, valid, inv_norm, with_grad):
-    """(loss sum, d(normalized loss)/d(logits) or None) of one chunk; the gradient is fp32 [c, V]."""
+def _chunk_step(hidden, weight, bias, targets, valid, factor, with_grad):
+    """(loss sum, `factor` x d(loss sum)/d(logits) or None) of one chunk; the gradient is fp32 [c, V]."""
     logits = F.linear(hidden, weight, bias).float()
     lse = torch.logsumexp(logits, dim=-1)
     target_logit = logits.gather(1, targets[:, None]).squeeze(1)
     loss_sum = torch.where(valid, lse - target_logit, 0.0).sum()
     if not with_grad:
         return loss_sum, None
-    # (softmax - onehot(target)) * valid / normalizer, built in place over the logits buffer.
+    # (softmax - onehot(target)) * valid * factor, built in place over the logits buffer.
     grad = logits.sub_(lse[:, None]).exp_()
     grad.scatter_add_(1, targets[:, None], grad.new_full((grad.shape[0], 1), -1.0))
-    grad.mul_((valid.to(grad.dtype) * inv_norm)[:, None])
+    grad.mul_((valid.to(grad.dtype) * factor)[:, None])
     return loss_sum, grad
+
+
+# fp16 spans 2^-24 to 65504 (bf16 and fp32 reach 1e-38 and 3e38). Its gradients are computed and held in forward at a
+# power-of-two scale that keeps them below 2^15 (`_saved_scale`, `_held`) and rescaled in backward.
+_FP16_CEILING_BITS = 15
+
+
+def _power_of_two_below_ceiling(bound: torch.Tensor, most: int = _FP16_CEILING_BITS) -> torch.Tensor:
+    """The largest power of two s <= 2^most with s x bound < 2^15 (fp32, 0-d; bound >= 0), without a host read."""
+    exponent = torch.frexp(bound.float()).exponent  # bound < 2^exponent
+    return torch.ldexp(torch.ones((), device=bound.device), (_FP16_CEILING_BITS - exponent).clamp(max=most))
+
+
+def _abs_max(x: torch.Tensor) -> torch.Tensor:
+    """max |x| (fp32, 0-d) without an |x| copy of the tensor (the head's weight, the weight-gradient accumulator)."""
+    if not x.numel():  # (no tokens)
+        return torch.zeros((), device=x.device)
+    low, high = torch.aminmax(x)
+    return torch.maximum(-low, high).float()
+
+
+def _saved_scale(hidden, weight, chunk_size, inv_norm, need_w) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the factor of the gradients the forward computes, the factor backward then rescales them by besides the
+    incoming gradient): (1 / normalizer, 1), or in fp16 (s, 1 / (normalizer x s)) with s the largest power of two that
+    keeps every chunk's gradient (entries in [-1, 1], rows of L1 norm at most 2: input gradients at most 2 max|W|) and
+    its products with the inputs (the hidden states' where the weight's gradient is computed) below 2^15. Normalized
+    in forward, fp16 gradients (1 / normalizer is 1.5e-5 at 64K tokens) times probabilities flushed to zero below 6e-8,
+    before backward scaled them by fp16 training's loss scale, which keeps the stock loss's gradients of its fp32
+    logits within fp16's range."""
+    if hidden.dtype != torch.float16:
+        return inv_norm, torch.ones_like(inv_norm)
+    bound = 2 * _abs_max(weight)
+    if need_w:
+        bound = torch.maximum(bound, min(chunk_size, hidden.shape[0]) * _abs_max(hidden))
+    scale = _power_of_two_below_ceiling(bound)
+    return scale, inv_norm / scale
+
+
+def _held(grad: torch.Tensor | None, dtype: torch.dtype | None, device: torch.device
+          ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """A summed gradient in `dtype` to hold until backward, and the power of two it was scaled by (fp16: below 2^15,
+    so that a sum over many chunks neither overflows nor flushes to zero; else 1)."""
+    if grad is None or dtype != torch.float16:
+        return (None if grad is None else grad.to(dtype)), torch.ones((), device=device)
+    scale = _power_of_two_below_ceiling(_abs_max(grad), most=100)  # (fp32 reaches 2^127)
+    return grad.mul_(scale).to(dtype), scale  # (the accumulator is not used again)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -104,10 +150,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        factor, rescale = _saved_scale(hidden, weight, chunk_size, inv_norm, need_w)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             h = hidden[rows]
-            part, grad = _chunk_step(h, weight, bias, targets[rows], valid[rows], inv_norm, need_h or need_w or need_b)
+            part, grad = _chunk_step(h, weight, bias, targets[rows], valid[rows], factor, need_h or need_w or need_b)
             loss_sum += part
             if grad is None:
                 continue
@@ -121,25 +168,23 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_w.addmm_(grad.t(), h)
                 else:
                     grad_w += grad.t() @ h
-        # Hold the summed weight/bias gradients in the parameter dtype until backward.
-        ctx.save_for_backward(
-            grad_h,
-            None if grad_w is None else grad_w.to(weight.dtype),
-            None if grad_b is None else grad_b.to(bias.dtype),
-        )
+        # Hold the summed weight/bias gradients in the parameter dtype until backward (fp16: scaled, `_held`).
+        grad_w, w_scale = _held(grad_w, weight.dtype, hidden.device)
+        grad_b, b_scale = _held(grad_b, None if bias is None else bias.dtype, hidden.device)
+        ctx.save_for_backward(grad_h, grad_w, grad_b, rescale / torch.stack([torch.ones_like(w_scale), w_scale,
+                                                                             b_scale]))
         return loss_sum / norm  # NaN without targets, like transformers' loss; the gradients above are 0
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grads = ctx.saved_tensors
+        *grads, rescale = ctx.saved_tensors
+        factors = grad_loss.float() * rescale  # each held gradient's factor (fp32), 1 for the usual grad_loss of 1
         if torch.compiler.is_compiling():  # (a host read would break the graph: --torch_compile warned at each one)
-            return (*(None if g is None else (g.float() * grad_loss.float()).to(g.dtype) for g in grads),
+            return (*(None if g is None else (g.float() * f).to(g.dtype) for g, f in zip(grads, factors)),
                     None, None, None, None, None)
         # One host read per step (as in liger-kernel): scaling by exactly 1, the usual case, is skipped,
         # and any other factor is applied as a Python scalar so bf16 gradients are scaled in fp32.
-        factor = float(grad_loss)
-        if factor != 1.0:
-            grads = tuple(None if g is None else g * factor for g in grads)
+        grads = tuple(g if g is None or f == 1.0 else g * f for g, f in zip(grads, factors.tolist()))
         return (*grads, None, None, None, None, None)
 
 

@@ -27,11 +27,16 @@ def is_liger_kernel_available() -> bool:
     return is_available("liger_kernel.transformers.functional")
 
 
-def resolve_backend(device: torch.device, backend: str | None = None) -> str:
-    """'liger' or 'torch' for tensors on `device`; `backend` (default: $HF_SPARSE_CP_LOSS_BACKEND or 'auto')."""
+def resolve_backend(device: torch.device, backend: str | None = None, dtype: torch.dtype | None = None) -> str:
+    """'liger' or 'torch' for tensors of `dtype` on `device`; `backend` (default: $HF_SPARSE_CP_LOSS_BACKEND or
+    'auto'). 'auto' keeps fp16 to the chunked loss: liger-kernel sums the weight gradient of the loss sum over every
+    token in the weight's dtype, which in fp16 overflows (2000 tokens of one target, hidden states of 50: inf, which
+    fp16 training's loss scaler skips the step for, at every step), where the chunked loss holds fp16 gradients scaled
+    within range."""
     backend = choose_backend("Loss", BACKEND_ENV, BACKENDS, backend)
     if backend == "auto":
-        return "liger" if device.type == "cuda" and is_liger_kernel_available() else "torch"
+        liger = device.type == "cuda" and dtype != torch.float16 and is_liger_kernel_available()
+        return "liger" if liger else "torch"
     if backend == "liger":
         if device.type != "cuda":
             raise ValueError(f"The liger loss backend needs CUDA tensors, got device {device}; use backend 'torch'.")
@@ -71,14 +76,17 @@ def linear_cross_entropy(
     Args:
         hidden, weight, labels, bias, num_items_in_batch, ignore_index: as for
             `chunked_linear_cross_entropy` (hidden [N, H], weight [V, H], labels [N]).
-        backend: 'auto' (liger-kernel's fused kernel for CUDA tensors when installed, the chunked
-            PyTorch implementation otherwise), 'liger' or 'torch'; default $HF_SPARSE_CP_LOSS_BACKEND.
+        backend: 'auto' (liger-kernel's fused kernel for CUDA tensors when installed, but in fp16, the chunked
+            PyTorch implementation otherwise: `resolve_backend`), 'liger' or 'torch'; default
+            $HF_SPARSE_CP_LOSS_BACKEND.
 
     Returns:
         The loss sum over non-ignored tokens divided by `num_items_in_batch`, else their mean. A batch
         without targets gets a zero gradient with every backend.
     """
-    if resolve_backend(hidden.device, backend) == "liger":
+    device_type = hidden.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    if resolve_backend(hidden.device, backend, dtype) == "liger":
         return _liger_linear_cross_entropy(
             hidden, weight, labels, bias=bias, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index
         )

@@ -82,8 +82,8 @@ class SparseCPArguments(KnownKeywords):
     sparse_fused_loss: bool = field(
         default=True,
         metadata={"help": "Compute the causal-LM loss without materializing [tokens, vocab] logits (liger-kernel "
-                  "on CUDA when installed, chunked PyTorch otherwise); under FSDP2 too, inside a call of the sharded "
-                  "LM head."},
+                  "on CUDA when installed, but for fp16, whose weight gradient it would overflow; chunked PyTorch "
+                  "otherwise); under FSDP2 too, inside a call of the sharded LM head."},
     )
     sparse_fused_ops: Literal["auto", "liger", "compile", "off"] = field(
         default="auto",

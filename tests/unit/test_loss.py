@@ -102,6 +102,50 @@ def test_chunked_low_precision_is_as_accurate_as_stock(dtype, chunk_size):
         assert _rel_err(g, e) <= 2 * _rel_err(s, e) + 4 * eps
 
 
+def test_fp16_gradients_under_a_loss_scale_are_as_accurate_as_stock():
+    """fp16 training (--fp16) scales the loss by its GradScaler's factor (2^16 at first) so that small gradients stay
+    within fp16's range: the stock loss's gradients of its fp32 logits reach the fp16 head scaled. The chunked loss
+    computed its gradients in forward, divided by the 2048 targets, and rounded them to fp16 there, where probabilities
+    times 1 / 2048 fall below fp16's smallest step (6e-8): the input and weight gradients had 11 times stock's error
+    (4.1e-3 and 3.8e-3 against 3.6e-4; 545 weight gradients exactly 0), and more the more tokens. Computed and held at a
+    power-of-two scale instead, and rescaled in backward, they have stock's (the weight's rounded once per chunk)."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2048, 64, generator=g)
+    weight = torch.randn(4000, 64, generator=g) * 0.02
+    bias = torch.randn(4000, generator=g) * 0.1
+    labels = torch.randint(0, 4000, (2048,), generator=g)
+    loss_scale = 2.0**16
+
+    def grads(loss_fn, amp: bool) -> list[torch.Tensor]:
+        leaves = [t.clone().double().requires_grad_() if not amp else t.clone().requires_grad_()
+                  for t in (hidden, weight, bias)]
+        with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+            loss = loss_fn(*leaves)
+        (loss * loss_scale).backward()
+        return [t.grad / loss_scale for t in leaves]
+
+    def stock(h, w, b):
+        return F.cross_entropy(F.linear(h, w, b).float(), labels)
+
+    def chunked(h, w, b):
+        return chunked_linear_cross_entropy(h, w, labels, bias=b, chunk_size=300)
+
+    exact = grads(stock, amp=False)
+    for ours, theirs, ref in zip(grads(chunked, amp=True), grads(stock, amp=True), exact, strict=True):
+        assert _rel_err(ours, ref) <= 1.5 * _rel_err(theirs, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_no_tokens_give_a_nan_loss_and_zero_gradients(dtype):
+    """A call without tokens (N = 0) computes no chunk: the loss is 0 / 0 as stock's mean, the gradients zero (fp16's
+    scale of its gradients is read off the tokens, which there are none of)."""
+    hidden = torch.zeros(0, HIDDEN, dtype=dtype, requires_grad=True)
+    weight = torch.randn(VOCAB, HIDDEN).to(dtype).requires_grad_()
+    loss = chunked_linear_cross_entropy(hidden, weight, torch.zeros(0, dtype=torch.long))
+    loss.backward()
+    assert loss.isnan() and not weight.grad.any() and hidden.grad.shape == hidden.shape
+
+
 @pytest.mark.parametrize("chunk_size", [7, 64], ids=lambda c: f"chunk_{c}")
 def test_chunked_fp64_gradients_do_not_depend_on_the_chunks(chunk_size):
     """In float64 (the dtype the CP tests compare in) the head and bias gradients, summed over the chunks, keep fp64:
@@ -133,7 +177,7 @@ def test_custom_ignore_index_and_scaled_upstream_gradient():
     assert _rel_err(h.grad, h_ref.grad) < 1e-5 and _rel_err(w.grad, w_ref.grad) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_compiled_whole_graph_scales_the_gradient_as_eager(dtype):
     """Under torch.compile (a stock script's --torch_compile) the backward's host read of the incoming gradient broke
     the graph, with a 30-line warning at every compilation: compiled it scales by the tensor, in fp32 as eager does,
@@ -247,6 +291,28 @@ def test_backend_resolution(monkeypatch):
         resolve_backend(cuda, "liger")
 
 
+def test_auto_keeps_fp16_to_the_chunked_loss(monkeypatch):
+    """liger-kernel sums the weight gradient of the loss sum (what the dispatch asks of it) over every token in the
+    weight's dtype: in fp16 6000 tokens, 2000 of one target, hidden states with a component of 50, gave an inf weight
+    gradient (its CPU branch under Triton's interpreter; stock's and the chunked loss's: finite, 6.7e-4 and 2.1e-4 off
+    fp64), for which fp16 training's loss scaler skips the step, at every step whatever its scale. 'auto' picks the
+    chunked loss for fp16, from the autocast dtype where autocast is on; an explicit 'liger' is kept."""
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.setattr(dispatch, "is_liger_kernel_available", lambda: True)
+    cuda = torch.device("cuda")
+    assert resolve_backend(cuda, dtype=torch.float16) == "torch"
+    assert resolve_backend(cuda, dtype=torch.bfloat16) == resolve_backend(cuda, dtype=torch.float32) == "liger"
+    assert resolve_backend(cuda, "liger", dtype=torch.float16) == "liger"
+    seen = []
+    monkeypatch.setattr(dispatch, "resolve_backend", lambda device, backend=None, dtype=None: seen.append(dtype) or
+                        "torch")
+    hidden, weight, _, labels = _problem(torch.float32)
+    with torch.autocast("cpu", dtype=torch.float16):
+        _dispatched(hidden, weight, labels)
+    _dispatched(hidden.bfloat16(), weight.bfloat16(), labels)
+    assert seen == [torch.float16, torch.bfloat16]
+
+
 class _LigerLikeLoss(torch.autograd.Function):
     """What liger-kernel's fused loss does, in plain torch: the gradients of the reduced loss are computed
     in forward and only multiplied by the incoming gradient in backward."""
@@ -279,7 +345,7 @@ def liger_like(monkeypatch):
     fake = types.ModuleType("liger_kernel.transformers.functional")
     fake.liger_fused_linear_cross_entropy = fake_liger
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", fake)
-    monkeypatch.setattr(dispatch, "resolve_backend", lambda device, backend=None: "liger")
+    monkeypatch.setattr(dispatch, "resolve_backend", lambda device, backend=None, dtype=None: "liger")
     return calls
 
 
