@@ -410,6 +410,40 @@ def quiesce_process_groups(settle_s: float = 0.1) -> None:
         settle_gloo_workers(settle_s)
 
 
+# How long a rank at interpreter exit waits for the others to get there (`every_rank_at_exit`): a rank that failed
+# alone after training (its script's `sys.exit(1)`) leaves this long after its failure, not the group's timeout later
+EXIT_WAIT_S = 30.0
+_EXIT_KEY = "hf_sparse_cp/exit"
+
+
+def every_rank_at_exit(wait_s: float = EXIT_WAIT_S, poll_s: float = 0.05) -> bool:
+    """Whether every rank of the default process group got to its interpreter exit within `wait_s` of this one, as
+    the ranks agree in the group's store (no collective): all of them get the same answer, so either all go through
+    the exit barrier (`quiesce_process_groups`) or none does, and none waits there on a rank that is not coming.
+
+    After training one rank may fail alone (its script's `sys.exit(1)`, which python records nowhere an exit
+    handler can read), the others waiting in another collective for it: the barrier then held it until the group's
+    timeout (30 minutes by default), where without the plugin its exit ends the job through the launcher at once.
+    False where the store does not answer (its host gone)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return True
+    from ..integration import compat  # (below the distributed code otherwise)
+
+    decision = f"{_EXIT_KEY}/decision"
+    try:
+        store = compat.default_store()
+        if store.add(f"{_EXIT_KEY}/arrived", 1) == world:  # the last to come: all are here, unless one left first
+            return store.compare_set(decision, "", "all") == b"all"
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not store.check([decision]):
+            time.sleep(poll_s)
+        # (the decision made meanwhile, else this rank's: it leaves, and a rank coming later learns it)
+        return store.compare_set(decision, "", "left") == b"all"
+    except RuntimeError:  # (torch's DistError: the store's host gone)
+        return False
+
+
 def settle_gloo_workers(settle_s: float = 0.1) -> None:
     """Pause `settle_s` without the GIL so this process's gloo workers finish releasing the collectives
     they completed. Local (no collective): safe on one rank alone, before or after its groups are destroyed.

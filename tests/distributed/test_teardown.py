@@ -6,13 +6,18 @@ path settles before the teardown."""
 
 from __future__ import annotations
 
+import functools
 import sys
+import time
 import types
+from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch.distributed as dist
 
 from hf_sparse_cp.launch import refusals
+from hf_sparse_cp.testing.spawn import run_gloo
 from hf_sparse_cp.trainer import sparse_trainer
 from hf_sparse_cp.trainer.sparse_trainer import SparseTrainer
 
@@ -74,6 +79,7 @@ def _exit_handler_calls(monkeypatch) -> list[str]:
     monkeypatch.setattr(sparse_trainer, "quiesce_process_groups", _recording(calls, "quiesce"))
     monkeypatch.setattr(sparse_trainer.atexit, "register", handlers.append)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(sparse_trainer, "every_rank_at_exit", lambda: True)
     monkeypatch.setattr(dist, "destroy_process_group", _recording(calls, "destroy"))
     sparse_trainer._tear_down_at_exit.__wrapped__()
     (handler,) = handlers
@@ -109,3 +115,41 @@ def test_a_script_leaving_with_a_failing_exit_code_skips_the_exit_barrier(tmp_pa
     for name in ("last_exc", "last_value"):
         monkeypatch.delattr(sys, name, raising=False)
     assert _exit_handler_calls(monkeypatch) == (["settle"] if skips_the_barrier else ["quiesce", "destroy"])
+
+
+def _exit_handler_of_rank(rank: int, world: int, leaving: int | None, workdir: str) -> list[str]:
+    """What this rank's exit handler does (`_exit_handler_calls`, in a real 2-process group whose ranks agree in its
+    store; the exit waits 1 s). Where a rank is `leaving` alone (its script's `sys.exit(1)` under torchrun), the
+    other is elsewhere (in another collective, as evaluate()'s gather) until it has left; else both exit."""
+    calls: list[str] = []
+    handlers = []
+    if leaving is not None and rank != leaving:
+        while not Path(workdir, "left").exists():
+            time.sleep(0.05)
+    with mock.patch.object(sparse_trainer, "settle_gloo_workers", _recording(calls, "settle")), \
+            mock.patch.object(sparse_trainer, "quiesce_process_groups", _recording(calls, "quiesce")), \
+            mock.patch.object(sparse_trainer, "every_rank_at_exit",
+                              functools.partial(sparse_trainer.every_rank_at_exit, wait_s=1.0)), \
+            mock.patch.object(dist, "destroy_process_group", _recording(calls, "destroy")), \
+            mock.patch.object(sparse_trainer.atexit, "register", handlers.append):
+        sparse_trainer._tear_down_at_exit.__wrapped__()
+        (handler,) = handlers
+        handler()
+    if rank == leaving:
+        Path(workdir, "left").touch()
+    return calls
+
+
+@pytest.mark.parametrize("leaving", [None, 0])
+def test_a_rank_failing_alone_outside_our_launcher_leaves_without_waiting_at_the_exit_barrier(tmp_path, leaving):
+    """A script run by torchrun itself that ends with `sys.exit(1)` on one rank after training (no launcher to note
+    the code: python records none) went into the exit barrier while the other rank waited in another collective for
+    it, both until the group's timeout (30 minutes by default; a CP 2 run with --ddp_timeout 60 ended after 79 s,
+    where it now ends 30 s after the exit). The ranks now agree in the store whether all got to their exit
+    within `mesh.EXIT_WAIT_S`: the leaving rank settles without the barrier, and the other, coming later, learns it
+    and does too; ranks that all exit still go through the barrier and the teardown."""
+    calls = run_gloo(_exit_handler_of_rank, 2, leaving, str(tmp_path), timeout_s=120)
+    if leaving is None:
+        assert calls == [["quiesce", "destroy"]] * 2
+    else:
+        assert calls == [["settle"]] * 2
