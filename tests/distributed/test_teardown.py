@@ -117,6 +117,25 @@ def test_a_script_leaving_with_a_failing_exit_code_skips_the_exit_barrier(tmp_pa
     assert _exit_handler_calls(monkeypatch) == (["settle"] if skips_the_barrier else ["quiesce", "destroy"])
 
 
+def test_a_rank_interrupted_after_training_skips_the_exit_barrier(tmp_path, monkeypatch):
+    """Ctrl-C reaching one rank alone after training (`kill -INT` of its process, or mid-save), its launched script
+    ending with INTERRUPTED in silence (`interrupts.end_interrupted`), the other in evaluate()'s gather: its exit
+    handler settles without the barrier, as for a failing `sys.exit` (before: it waited there for the other, which
+    never came, until the group's timeout)."""
+    from hf_sparse_cp.launch.interrupts import INTERRUPTED
+    from hf_sparse_cp.run import main as run
+
+    (tmp_path / "interrupted.py").write_text("raise KeyboardInterrupt\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sparse_trainer, "_failing_exit", [])
+    with pytest.raises(SystemExit) as leaving:
+        run(["interrupted.py"])
+    assert leaving.value.code == INTERRUPTED
+    for name in ("last_exc", "last_value"):
+        monkeypatch.delattr(sys, name, raising=False)
+    assert _exit_handler_calls(monkeypatch) == ["settle"]
+
+
 def _exit_handler_of_rank(rank: int, world: int, leaving: int | None, workdir: str) -> list[str]:
     """What this rank's exit handler does (`_exit_handler_calls`, in a real 2-process group whose ranks agree in its
     store; the exit waits 1 s). Where a rank is `leaving` alone (its script's `sys.exit(1)` under torchrun), the
