@@ -1379,3 +1379,22 @@ def test_a_module_that_is_not_there_is_refused_before_the_processes_start(starte
     err = capsys.readouterr().err
     assert refused.value.code == 2 and "python -m hf_sparse_cp.run: error: no module named " in err, err
     assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("rank, launches", [(None, True), ("0", False)])
+def test_a_world_size_the_shell_exported_does_not_keep_nproc_from_launching(started, monkeypatch, tmp_path, rank,
+                                                                              launches):
+    """`hf-sparse-cp launch --nproc 2` from a shell that exported WORLD_SIZE (a cluster job script sets it before its
+    torchrun line) ran the script here, alone, as if it were already one of a launched group: accelerate then failed
+    on the unset MASTER_ADDR. A launched process has RANK too: there the command still runs in it."""
+    from hf_sparse_cp import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    assert cli.main(["launch", "--nproc", "2", "train.py"]) == 0
+    assert [command[-3:] for command in started] == ([["-m", "hf_sparse_cp.run", "train.py"]] if launches else [])
