@@ -416,7 +416,7 @@ EXIT_WAIT_S = 30.0
 _EXIT_KEY = "hf_sparse_cp/exit"
 
 
-def every_rank_at_exit(wait_s: float = EXIT_WAIT_S, poll_s: float = 0.05) -> bool:
+def every_rank_at_exit(store, wait_s: float = EXIT_WAIT_S, poll_s: float = 0.05) -> bool:
     """Whether every rank of the default process group got to its interpreter exit within `wait_s` of this one, as
     the ranks agree in the group's store (no collective): all of them get the same answer, so either all go through
     the exit barrier (`quiesce_process_groups`) or none does, and none waits there on a rank that is not coming.
@@ -424,15 +424,12 @@ def every_rank_at_exit(wait_s: float = EXIT_WAIT_S, poll_s: float = 0.05) -> boo
     After training one rank may fail alone (its script's `sys.exit(1)`, which python records nowhere an exit
     handler can read), the others waiting in another collective for it: the barrier then held it until the group's
     timeout (30 minutes by default), where without the plugin its exit ends the job through the launcher at once.
-    False where the store does not answer (its host gone)."""
+    `store`: the default group's (`compat.default_store()`). False where it does not answer (its host gone)."""
     world = dist.get_world_size()
     if world == 1:
         return True
-    from ..integration import compat  # (below the distributed code otherwise)
-
     decision = f"{_EXIT_KEY}/decision"
     try:
-        store = compat.default_store()
         if store.add(f"{_EXIT_KEY}/arrived", 1) == world:  # the last to come: all are here, unless one left first
             return store.compare_set(decision, "", "all") == b"all"
         deadline = time.monotonic() + wait_s

@@ -502,7 +502,8 @@ def _tear_down_at_exit() -> None:
             # (this rank alone may have failed, after training: the others, inside another collective, would keep
             # its exit barrier waiting until the group's timeout; its exit ends the job through the launcher)
             settle_gloo_workers()
-        elif torch.distributed.is_available() and torch.distributed.is_initialized() and every_rank_at_exit():
+        elif torch.distributed.is_available() and torch.distributed.is_initialized() and every_rank_at_exit(
+                compat.default_store()):
             quiesce_process_groups()
             torch.distributed.destroy_process_group()
         else:
