@@ -428,9 +428,11 @@ def every_rank_at_exit(store, wait_s: float = EXIT_WAIT_S, poll_s: float = 0.05)
     world = dist.get_world_size()
     if world == 1:
         return True
-    decision = f"{_EXIT_KEY}/decision"
+    # (torchrun's workers restarted after a failure, --max_restarts, share its store with the ended ones' keys)
+    key = f"{_EXIT_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    decision = f"{key}/decision"
     try:
-        if store.add(f"{_EXIT_KEY}/arrived", 1) == world:  # the last to come: all are here, unless one left first
+        if store.add(f"{key}/arrived", 1) == world:  # the last to come: all are here, unless one left first
             return store.compare_set(decision, "", "all") == b"all"
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and not store.check([decision]):

@@ -173,3 +173,20 @@ def test_a_rank_failing_alone_outside_our_launcher_leaves_without_waiting_at_the
         assert calls == [["quiesce", "destroy"]] * 2
     else:
         assert calls == [["settle"]] * 2
+
+
+def test_workers_restarted_by_torchrun_agree_on_their_exit_anew(monkeypatch):
+    """torchrun's workers restarted after a failure (--max_restarts) share its store with the keys of those that
+    ended: a rank of the new group, alone at its exit (the other failing elsewhere), read the old group's agreement
+    (all at the exit) and went into the barrier; it now agrees with its own group only (TORCHELASTIC_RESTART_COUNT)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hf_sparse_cp.distributed import mesh
+
+    store = dist.HashStore()
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    with ThreadPoolExecutor(2) as ranks:  # the first group: both ranks at their exit
+        assert list(ranks.map(lambda _: mesh.every_rank_at_exit(store, wait_s=60.0), range(2))) == [True, True]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert mesh.every_rank_at_exit(store, wait_s=0.0) is False
