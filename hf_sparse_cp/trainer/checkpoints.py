@@ -55,6 +55,7 @@ except ImportError:
 
 logger = logging.getLogger(__name__)
 
+
 def run_settings(trainer: Trainer, parallel: ParallelDims, cp_schedule: str | None = None) -> dict[str, Any]:
     """What a checkpoint must share with the run that resumes it: the CP and DP degrees and the global
     batch, or under a context-length curriculum its schedule, world size and world batch (per-device batch
