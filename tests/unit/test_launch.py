@@ -1398,3 +1398,18 @@ def test_a_world_size_the_shell_exported_does_not_keep_nproc_from_launching(star
         monkeypatch.setenv("RANK", rank)
     assert cli.main(["launch", "--nproc", "2", "train.py"]) == 0
     assert [command[-3:] for command in started] == ([["-m", "hf_sparse_cp.run", "train.py"]] if launches else [])
+
+
+@pytest.mark.parametrize("command", ["launch", "train"])
+def test_ctrl_c_while_the_launcher_checks_the_run_ends_with_one_line(monkeypatch, capsys, command):
+    """Ctrl-C in the seconds the launcher checks the run before it starts any process (its imports of torch and the
+    Trainer's flags) ended in Python's KeyboardInterrupt traceback; it ends with one line and status 130, as a run
+    interrupted later does."""
+    from hf_sparse_cp import cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, f"_{command}", interrupted)
+    assert cli.main([command, "--nproc", "2", "train.py"]) == 130
+    assert capsys.readouterr().err == "hf-sparse-cp: interrupted by the user before the run started.\n"
