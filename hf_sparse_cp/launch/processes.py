@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from .interrupts import INTERRUPTED, interrupted_line, recorded_output_dirs
 from .refusals import REPORTS_ENV
 
-RUN_MODULE = "hf_sparse_cp.run"
+RUN_MODULE = "hf_sparse_cp.launch.worker"  # (`hf_sparse_cp.run`, quiet on a Ctrl-C during its imports)
 # torchrun and accelerate launch, each run as its own command runs it but ending a refused run with the message alone
 # (`refusals.py`)
 _LAUNCHER = (sys.executable, "-m", "hf_sparse_cp.launch.refusals")
