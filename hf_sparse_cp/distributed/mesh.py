@@ -435,8 +435,11 @@ def every_rank_at_exit(store, wait_s: float = EXIT_WAIT_S, poll_s: float = 0.05)
         if store.add(f"{key}/arrived", 1) == world:  # the last to come: all are here, unless one left first
             return store.compare_set(decision, "", "all") == b"all"
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and not store.check([decision]):
-            time.sleep(poll_s)
+        try:
+            while time.monotonic() < deadline and not store.check([decision]):
+                time.sleep(poll_s)
+        except KeyboardInterrupt:  # (Ctrl-C while it waits: it leaves now, without the exit handler's traceback)
+            pass
         # (the decision made meanwhile, else this rank's: it leaves, and a rank coming later learns it)
         return store.compare_set(decision, "", "left") == b"all"
     except RuntimeError:  # (torch's DistError: the store's host gone)

@@ -190,3 +190,21 @@ def test_workers_restarted_by_torchrun_agree_on_their_exit_anew(monkeypatch):
         assert list(ranks.map(lambda _: mesh.every_rank_at_exit(store, wait_s=60.0), range(2))) == [True, True]
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert mesh.every_rank_at_exit(store, wait_s=0.0) is False
+
+
+def test_ctrl_c_while_a_rank_waits_for_the_others_at_its_exit_ends_the_wait(monkeypatch):
+    """Ctrl-C reaching a rank that waits at its exit for the others (rank 0 still saving the final model): the wait
+    ends and the rank leaves, where the interrupt escaped the exit handler with a traceback ('Exception ignored in
+    atexit callback'), breaking the launcher's one line."""
+    from hf_sparse_cp.distributed import mesh
+
+    def interrupted(_seconds):
+        raise KeyboardInterrupt
+
+    store = dist.HashStore()
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(mesh.time, "sleep", interrupted)
+    assert mesh.every_rank_at_exit(store, wait_s=60.0) is False
+    monkeypatch.undo()
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    assert mesh.every_rank_at_exit(store, wait_s=60.0) is False  # (the other, coming later, learns it left)
