@@ -110,7 +110,11 @@ def _ring_node_size(cp_size: int, config, env: Mapping[str, str], stride: int) -
     naming where the ranks per node come from (--cp_node_size, LOCAL_WORLD_SIZE) and the fix."""
     per_node = config.cp_node_size
     if per_node is None and env.get("LOCAL_WORLD_SIZE"):
-        per_node = int(env["LOCAL_WORLD_SIZE"])
+        local = env["LOCAL_WORLD_SIZE"]
+        if not local.strip().isdigit() or int(local) < 1:  # (set by hand: int() failed, or 0 divided by zero)
+            raise ValueError(f"LOCAL_WORLD_SIZE={local!r} is not a count of ranks per node, which the hierarchical "
+                             "ring reads: unset it (torchrun and accelerate launch set it), or give --cp_node_size.")
+        per_node = int(local)
     if per_node is None:
         raise ValueError(
             "cp_ring='hierarchical' needs the number of ranks per node: launch with torchrun or accelerate launch "
