@@ -280,10 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
     # (everything after these commands is the launcher's and the script's, in order)
-    if argv[:1] == ["launch"]:
-        return _launch(argv[1:])
-    if argv[:1] == ["train"]:
-        return _train(argv[1:])
+    if argv[:1] in (["launch"], ["train"]):
+        try:
+            return (_launch if argv[0] == "launch" else _train)(argv[1:])
+        except KeyboardInterrupt:  # (Ctrl-C while the launcher checks the run: seconds of imports, before it starts)
+            from hf_sparse_cp.launch.interrupts import INTERRUPTED
+
+            sys.stderr.write("hf-sparse-cp: interrupted by the user before the run started.\n")
+            return INTERRUPTED
     parser = argparse.ArgumentParser(prog="hf-sparse-cp", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hf-sparse-cp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

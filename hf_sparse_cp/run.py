@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 
 from hf_sparse_cp.launch.command import check_command, parse_plugin_flags, split_command
-from hf_sparse_cp.launch.interrupts import end_interrupted
+from hf_sparse_cp.launch.interrupts import INTERRUPTED, end_interrupted
 from hf_sparse_cp.launch.known_scripts import module_found, trl_trainers
 from hf_sparse_cp.launch.launched import (
     PROG,
@@ -116,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             # a setting refused against the script's model, data or Trainer, naming the fix: as a bad flag, once
             end_refused(script_name(target, is_module), e)
         except KeyboardInterrupt:  # (Ctrl-C, which reaches every rank: one line says so, not a traceback per rank)
+            note_failing_exit(INTERRUPTED)  # (a rank the signal reached alone must not wait at the exit barrier)
             end_interrupted(run.output_dirs)
     if not run.trainers_built and not run.told_no_trainer and os.environ.get("RANK", "0") == "0":
         sys.stderr.write(f"{PROG}: {no_trainer_warning(target, flags_given(plugin, args), ended=True)}\n")

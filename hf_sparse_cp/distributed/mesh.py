@@ -111,7 +111,11 @@ def _ring_node_size(cp_size: int, config, env: Mapping[str, str], stride: int) -
     naming where the ranks per node come from (--cp_node_size, LOCAL_WORLD_SIZE) and the fix."""
     per_node = config.cp_node_size
     if per_node is None and env.get("LOCAL_WORLD_SIZE"):
-        per_node = int(env["LOCAL_WORLD_SIZE"])
+        local = env["LOCAL_WORLD_SIZE"]
+        if not local.strip().isdigit() or int(local) < 1:  # (set by hand: int() failed, or 0 divided by zero)
+            raise ValueError(f"LOCAL_WORLD_SIZE={local!r} is not a count of ranks per node, which the hierarchical "
+                             "ring reads: unset it (torchrun and accelerate launch set it), or give --cp_node_size.")
+        per_node = int(local)
     if per_node is None:
         raise ValueError(
             "cp_ring='hierarchical' needs the number of ranks per node: launch with torchrun or accelerate launch "
@@ -411,6 +415,42 @@ def quiesce_process_groups(settle_s: float = 0.1) -> None:
         with naming_unresponsive_ranks("the barrier before the process groups are torn down"):
             dist.barrier()
         settle_gloo_workers(settle_s)
+
+
+# How long a rank at interpreter exit waits for the others to get there (`every_rank_at_exit`): a rank that failed
+# alone after training (its script's `sys.exit(1)`) leaves this long after its failure, not the group's timeout later
+EXIT_WAIT_S = 30.0
+_EXIT_KEY = "hf_sparse_cp/exit"
+
+
+def every_rank_at_exit(store, wait_s: float = EXIT_WAIT_S, poll_s: float = 0.05) -> bool:
+    """Whether every rank of the default process group got to its interpreter exit within `wait_s` of this one, as
+    the ranks agree in the group's store (no collective): all of them get the same answer, so either all go through
+    the exit barrier (`quiesce_process_groups`) or none does, and none waits there on a rank that is not coming.
+
+    After training one rank may fail alone (its script's `sys.exit(1)`, which python records nowhere an exit
+    handler can read), the others waiting in another collective for it: the barrier then held it until the group's
+    timeout (30 minutes by default), where without the plugin its exit ends the job through the launcher at once.
+    `store`: the default group's (`compat.default_store()`). False where it does not answer (its host gone)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return True
+    # (torchrun's workers restarted after a failure, --max_restarts, share its store with the ended ones' keys)
+    key = f"{_EXIT_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    decision = f"{key}/decision"
+    try:
+        if store.add(f"{key}/arrived", 1) == world:  # the last to come: all are here, unless one left first
+            return store.compare_set(decision, "", "all") == b"all"
+        deadline = time.monotonic() + wait_s
+        try:
+            while time.monotonic() < deadline and not store.check([decision]):
+                time.sleep(poll_s)
+        except KeyboardInterrupt:  # (Ctrl-C while it waits: it leaves now, without the exit handler's traceback)
+            pass
+        # (the decision made meanwhile, else this rank's: it leaves, and a rank coming later learns it)
+        return store.compare_set(decision, "", "left") == b"all"
+    except RuntimeError:  # (torch's DistError: the store's host gone)
+        return False
 
 
 def settle_gloo_workers(settle_s: float = 0.1) -> None:

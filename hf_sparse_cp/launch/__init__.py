@@ -9,7 +9,8 @@
   starts where it cannot run there (too few accelerators, gpu_ids, FSDP1 or DeepSpeed where they cannot run);
 * `refusals`: a setup the plugin refuses ends a launched run with its message once, exit status 2, no traceback;
 * `interrupts`: Ctrl-C ends a launched run with one line (the processes stopped, the last checkpoint), exit status
-  130, no traceback;
+  130, no traceback; `worker`: what each launched process runs (`hf_sparse_cp.run`, quiet on a Ctrl-C during its
+  imports);
 * `command`: the grammar of a launch command (plugin flags, the script, its arguments) and its checks;
 * `known_scripts`: what a script's source says it builds (TRL's trainers), refused before any process starts
   where CP or this machine cannot run it.

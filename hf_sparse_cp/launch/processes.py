@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from .interrupts import INTERRUPTED, interrupted_line, recorded_output_dirs
 from .refusals import REPORTS_ENV
 
-RUN_MODULE = "hf_sparse_cp.run"
+RUN_MODULE = "hf_sparse_cp.launch.worker"  # (`hf_sparse_cp.run`, quiet on a Ctrl-C during its imports)
 # torchrun and accelerate launch, each run as its own command runs it but ending a refused run with the message alone
 # (`refusals.py`)
 _LAUNCHER = (sys.executable, "-m", "hf_sparse_cp.launch.refusals")
@@ -137,7 +137,15 @@ def launched_processes(options: argparse.Namespace, env: Mapping[str, str] = os.
         from .accelerate_config import positive_count
 
         return positive_count((options.accelerate_config or {}).get("num_processes", 1))
-    return options.nproc if options.nproc > 1 and "WORLD_SIZE" not in env else None
+    return options.nproc if options.nproc > 1 and not in_launched_group(env) else None
+
+
+def in_launched_group(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process is one of a launched group (torchrun's, accelerate launch's), which runs the command in
+    itself: its launcher set WORLD_SIZE and RANK. A WORLD_SIZE alone is a shell's (a cluster job script exports it
+    before its torchrun line), which launched nothing: `--nproc N` ran here, alone, and failed in accelerate on an
+    unset MASTER_ADDR."""
+    return "WORLD_SIZE" in env and "RANK" in env
 
 
 def accelerator_count() -> int:
@@ -185,12 +193,12 @@ def refuse_unlaunchable(parser: argparse.ArgumentParser, arguments, processes: i
 
 def launch(options: argparse.Namespace, run_args: Sequence[str], here: Callable[[list[str]], None]) -> int:
     """Run `python -m hf_sparse_cp.run RUN_ARGS` as `options` ask: under accelerate launch (`config_file`), under
-    torchrun (`nproc` > 1, unless this process is already one of a launched group), else in this process, by
-    `here` (`hf_sparse_cp.run.main`, which the caller imports: the launcher sits below it). Returns the exit
-    status."""
+    torchrun (`nproc` > 1, unless this process is already one of a launched group: `in_launched_group`), else in
+    this process, by `here` (`hf_sparse_cp.run.main`, which the caller imports: the launcher sits below it).
+    Returns the exit status."""
     if options.config_file:
         command = [*ACCELERATE_LAUNCH, "--config_file", options.config_file, "-m", RUN_MODULE]
-    elif options.nproc > 1 and "WORLD_SIZE" not in os.environ:
+    elif options.nproc > 1 and not in_launched_group():
         command = [*TORCHRUN, f"--nproc_per_node={options.nproc}", "-m", RUN_MODULE]
     else:
         here(list(run_args))

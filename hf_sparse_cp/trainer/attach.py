@@ -236,13 +236,19 @@ def check_launch(trainer: Trainer) -> None:
     as N independent single-process jobs, each training its own model with no gradient sync."""
     launched = max(rank_and_world()[1], int(os.environ.get("WORLD_SIZE", "1")))
     running = trainer.accelerator.num_processes
-    if launched != running:
-        raise ValueError(
-            f"{launched} processes were launched but the Trainer sees {running}: each would train its own model "
-            "without gradient sync. Without a GPU, pass --use_cpu (use_cpu=True in TrainingArguments; "
-            "SparseTrainingArguments sets it on a machine without an accelerator): accelerate joins CPU processes only "
-            "when told."
-        )
+    if launched == running:
+        return
+    if not trainer.args.use_cpu and not torch.accelerator.is_available():
+        fix = ("Without a GPU, pass --use_cpu (use_cpu=True in TrainingArguments; SparseTrainingArguments sets it on a "
+               "machine without an accelerator): accelerate joins CPU processes only when told.")
+    else:
+        # (the arguments set accelerate's state up as they are built: where a process built them before it forked
+        # the launched ones, each keeps that one-process state, with the group never joined)
+        fix = ("The TrainingArguments were built before these processes were launched (outside the function given to "
+               "accelerate's notebook_launcher, or to a launcher that forks): each process keeps their one-process "
+               "set-up. Build the TrainingArguments inside that function.")
+    raise ValueError(f"{launched} processes were launched but the Trainer sees {running}: each would train its own "
+                     f"model without gradient sync. {fix}")
 
 
 def apply_ddp_timeout(trainer: Trainer, patches: PatchSet) -> None:

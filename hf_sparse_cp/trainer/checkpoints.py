@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ from ..resharding.resume import SHARDED_STATE, has_sharded_state, resharded_load
 from ..smet.factory import SMETOptimizerFactory
 from .arguments import flag_errors
 from .callbacks import StepMetricsCallback
+from .checkpoint_marker import MARKER, newest_complete_checkpoint, read_marker
 
 try:
     import resource  # (POSIX: the file-size limit)
@@ -54,8 +54,6 @@ except ImportError:
     resource = None
 
 logger = logging.getLogger(__name__)
-
-MARKER = "hf_sparse_cp_checkpoint.json"
 
 
 def run_settings(trainer: Trainer, parallel: ParallelDims, cp_schedule: str | None = None) -> dict[str, Any]:
@@ -146,44 +144,6 @@ class AgreedJitCheckpoint(TrainerCallback):
         if bool(accelerator.gather(torch.tensor([int(self.requested)], device=accelerator.device)).any()):
             self.requested = False
             control.should_save = control.should_training_stop = True
-
-
-def read_marker(folder: str | Path) -> dict[str, Any] | None:
-    """What the checkpoint `folder`'s marker says (None without one: not saved by an hf-sparse-cp run, or on a node
-    without shared storage, which only the first node's folder holds it on). ValueError, naming the checkpoint, for
-    a marker that is not JSON (runs write it whole: damaged since)."""
-    marker = Path(folder) / MARKER
-    if not marker.is_file():
-        return None
-    try:
-        content = json.loads(marker.read_text())
-    except ValueError as e:
-        content = e
-    if not isinstance(content, dict):
-        raise ValueError(f"Checkpoint {str(folder)!r} is damaged: its {MARKER} is not the JSON object a run writes "
-                         f"({content}). Resume from another checkpoint.")
-    return content
-
-
-def newest_complete_checkpoint(output_dirs: Iterable[str | Path]) -> tuple[Path | None, list[Path]]:
-    """(The newest checkpoint-N folder of `output_dirs` that is complete, or None; the newer ones it passes over,
-    newest first.) Complete: marked complete by the plugin, or without its marker (saved without the plugin, nothing
-    to check); passed over: marked in progress (the run ended while saving it) or with a marker that does not read."""
-
-    def complete(folder: Path) -> bool:
-        try:
-            marker = read_marker(folder)
-        except ValueError:
-            return False
-        return marker is None or bool(marker.get("complete"))
-
-    found = [path for output_dir in output_dirs for path in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*")
-             if path.name.rsplit("-", 1)[1].isdigit() and path.is_dir()]
-    newest_first = sorted(found, key=lambda path: int(path.name.rsplit("-", 1)[1]), reverse=True)
-    for i, path in enumerate(newest_first):
-        if complete(path):
-            return path, newest_first[:i]
-    return None, newest_first
 
 
 def resumed_folder(output_dir: str) -> str | None:

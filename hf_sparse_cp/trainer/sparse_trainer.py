@@ -41,6 +41,7 @@ from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE
 from ..distributed import quiesce_process_groups, settle_gloo_workers
+from ..distributed.mesh import every_rank_at_exit
 from ..integration import compat
 from ..integration.given import require_subclass
 from ..integration.patching import PatchSet
@@ -491,20 +492,24 @@ def _sparse_trainer_class(base: type[Trainer]) -> type:
 
 @functools.cache
 def _tear_down_at_exit() -> None:
-    """At interpreter exit, end the process groups while the interpreter is whole (once per process); where the
-    script destroyed them itself, or the process ends on an uncaught exception, still let the gloo workers finish
-    before the interpreter finalises."""
+    """At interpreter exit, end the process groups while the interpreter is whole (once per process), when every
+    rank gets to its exit (`mesh.every_rank_at_exit`); where the script destroyed them itself, the process ends on
+    an uncaught exception or a failing `sys.exit`, or a rank did not come, still let the gloo workers finish before
+    the interpreter finalises."""
 
     def tear_down() -> None:
         if _ending_on_an_exception():
             # (this rank alone may have failed, after training: the others, inside another collective, would keep
             # its exit barrier waiting until the group's timeout; its exit ends the job through the launcher)
             settle_gloo_workers()
-        elif torch.distributed.is_available() and torch.distributed.is_initialized():
+        elif torch.distributed.is_available() and torch.distributed.is_initialized() and every_rank_at_exit(
+                compat.default_store()):
             quiesce_process_groups()
             torch.distributed.destroy_process_group()
         else:
-            settle_gloo_workers()  # (a group the script still holds, a device mesh's, outlives the destroy)
+            # (a group the script still holds, a device mesh's, outlives the destroy; or a rank never came to its
+            # exit: a failing `sys.exit` outside our launcher, which python records nowhere)
+            settle_gloo_workers()
 
     atexit.register(tear_down)
 

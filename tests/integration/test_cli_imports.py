@@ -74,3 +74,23 @@ def test_simulate_from_the_command_line_runs_with_a_recycling_allocator(monkeypa
     (executable, args, env), = calls
     assert args[1:] == ["-m", "hf_sparse_cp.cli", "simulate", "--seq", "32768"]
     assert env["GLIBC_TUNABLES"] == RECYCLING_MALLOC
+
+
+def test_the_interrupted_line_names_the_checkpoint_without_importing_torch(tmp_path):
+    """After Ctrl-C the launcher, once its processes are gone, names the newest complete checkpoint: it imported the
+    Trainer's checkpoint module for it (torch, transformers), seconds before the command returned (13 s on a busy
+    machine, more than the processes took to stop); it now reads the markers alone."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    from hf_sparse_cp.trainer.checkpoint_marker import CHECKPOINT_PREFIX, MARKER
+
+    assert CHECKPOINT_PREFIX == PREFIX_CHECKPOINT_DIR  # (the Trainer's checkpoint-N folders)
+    for step, complete in ((2, True), (4, False)):
+        tmp_path.joinpath(f"checkpoint-{step}").mkdir()
+        tmp_path.joinpath(f"checkpoint-{step}", MARKER).write_text(json.dumps({"complete": complete, "step": step}))
+    code = ("import json, sys; from hf_sparse_cp.launch.interrupts import interrupted_line; "
+            f"print(interrupted_line(2, [{str(tmp_path)!r}]), end=''); "
+            f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert f"the last checkpoint is {tmp_path / 'checkpoint-2'} " in done.stdout, done.stdout + done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [], done.stdout + done.stderr

@@ -1352,6 +1352,9 @@ def test_position_ids_that_restart_inside_a_document_of_the_mask_or_cu_seq_lens_
     # the launcher's count of ranks per node
     ({"cp_size": 4}, {"WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "3"},
      "cp_size=4 is not a multiple of the 3 ranks per node (LOCAL_WORLD_SIZE=3)"),
+    # set by hand (a job script): int()'s 'invalid literal', or a division by zero
+    *(({"cp_size": 4}, {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": local},
+       f"LOCAL_WORLD_SIZE='{local}' is not a count of ranks per node") for local in ("two", "0")),
 ])
 def test_a_hierarchical_ring_the_nodes_cannot_hold_is_refused_at_launch(tmp_path, cp, env, refused):
     """`hf-sparse-cp launch --nproc 2 train.py --cp_size 2 --cp_ring hierarchical --cp_node_size 3` ended in a

@@ -18,6 +18,7 @@ from hf_sparse_cp.distributed import check_launched
 from hf_sparse_cp.integration.compat import argument_parser_classes
 from hf_sparse_cp.launch.command import parse_plugin_flags, split_command
 from hf_sparse_cp.launch.launched import attention_asked, attention_replaced, launched, plugin_flags_in
+from hf_sparse_cp.launch.processes import RUN_MODULE
 from hf_sparse_cp.recipes import recipe_path
 from hf_sparse_cp.run import main as run
 from hf_sparse_cp.trainer.plugin_arguments import COMMON_FLAGS, PluginArguments
@@ -443,10 +444,10 @@ def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(started, monk
     monkeypatch.setattr(processes, "accelerator_count", lambda: 0)  # (the CPU recipe's machine)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert cli.main(["launch", "--nproc", "2", "--cp_size", "2", "train.py", "--config_file", "own.json"]) == 0
-    assert started[-1] == [*TORCHRUN, "--nproc_per_node=2", "-m", "hf_sparse_cp.run", "--cp_size", "2", "train.py",
+    assert started[-1] == [*TORCHRUN, "--nproc_per_node=2", "-m", RUN_MODULE, "--cp_size", "2", "train.py",
                            "--config_file", "own.json"]
     assert cli.main(["launch", "--config_file", "cpu_2proc_cp2", "-m", "trl.scripts.sft", "--cp_size", "2"]) == 0
-    assert started[-1] == [*ACCELERATE, "--config_file", str(recipe_path("cpu_2proc_cp2")), "-m", "hf_sparse_cp.run",
+    assert started[-1] == [*ACCELERATE, "--config_file", str(recipe_path("cpu_2proc_cp2")), "-m", RUN_MODULE,
                            "-m", "trl.scripts.sft", "--cp_size", "2"]
     with pytest.raises(SystemExit):
         cli.main(["launch", "--nproc", "2", "--config_file", "cpu_2proc_cp2", "train.py"])
@@ -457,11 +458,11 @@ def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(started, monk
         "or drop the flag.\n")
     # the example, through the same launcher: its module as the script, the launcher's options taken from anywhere
     assert cli.main(["train", "--cp_size", "2", "--nproc", "2", "--max_steps", "1"]) == 0
-    assert started[-1] == [*TORCHRUN, "--nproc_per_node=2", "-m", "hf_sparse_cp.run", "-m", cli.EXAMPLE_MODULE,
+    assert started[-1] == [*TORCHRUN, "--nproc_per_node=2", "-m", RUN_MODULE, "-m", cli.EXAMPLE_MODULE,
                            "--cp_size", "2", "--max_steps", "1"]
     assert cli.main(["train", "--config_file", "cpu_2proc_cp2", "--cp_size", "2"]) == 0
     assert started[-1][:6] == [*ACCELERATE, "--config_file", str(recipe_path("cpu_2proc_cp2"))]
-    assert started[-1][6:] == ["-m", "hf_sparse_cp.run", "-m", cli.EXAMPLE_MODULE, "--cp_size", "2"]
+    assert started[-1][6:] == ["-m", RUN_MODULE, "-m", cli.EXAMPLE_MODULE, "--cp_size", "2"]
 
 
 @pytest.mark.parametrize("accelerators", [0, 2])
@@ -1155,7 +1156,7 @@ def test_train_runs_a_script_at_a_path_without_py_and_names_a_missing_one(starte
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "train").write_text("")
     assert cli.main(["train", "--nproc", "2", "--cp_size", "2", "bin/train", "--output_dir", "out"]) == 0
-    assert started[-1] == [*TORCHRUN, "--nproc_per_node=2", "-m", "hf_sparse_cp.run", "--cp_size", "2", "bin/train",
+    assert started[-1] == [*TORCHRUN, "--nproc_per_node=2", "-m", RUN_MODULE, "--cp_size", "2", "bin/train",
                            "--output_dir", "out"]
     for missing in (["bin/trian"], ["--nproc", "2", "--sparse_max_length", "512", "trian", "--max_steps", "1"]):
         started.clear()
@@ -1379,3 +1380,56 @@ def test_a_module_that_is_not_there_is_refused_before_the_processes_start(starte
     err = capsys.readouterr().err
     assert refused.value.code == 2 and "python -m hf_sparse_cp.run: error: no module named " in err, err
     assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("rank, launches", [(None, True), ("0", False)])
+def test_a_world_size_the_shell_exported_does_not_keep_nproc_from_launching(started, monkeypatch, tmp_path, rank,
+                                                                              launches):
+    """`hf-sparse-cp launch --nproc 2` from a shell that exported WORLD_SIZE (a cluster job script sets it before its
+    torchrun line) ran the script here, alone, as if it were already one of a launched group: accelerate then failed
+    on the unset MASTER_ADDR. A launched process has RANK too: there the command still runs in it."""
+    from hf_sparse_cp import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    assert cli.main(["launch", "--nproc", "2", "train.py"]) == 0
+    assert [command[-3:] for command in started] == ([["-m", RUN_MODULE, "train.py"]] if launches else [])
+
+
+@pytest.mark.parametrize("command", ["launch", "train"])
+def test_ctrl_c_while_the_launcher_checks_the_run_ends_with_one_line(monkeypatch, capsys, command):
+    """Ctrl-C in the seconds the launcher checks the run before it starts any process (its imports of torch and the
+    Trainer's flags) ended in Python's KeyboardInterrupt traceback; it ends with one line and status 130, as a run
+    interrupted later does."""
+    from hf_sparse_cp import cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, f"_{command}", interrupted)
+    assert cli.main([command, "--nproc", "2", "train.py"]) == 130
+    assert capsys.readouterr().err == "hf-sparse-cp: interrupted by the user before the run started.\n"
+
+
+def test_a_launched_process_interrupted_during_its_imports_ends_in_silence(monkeypatch, capsys):
+    """Ctrl-C in the first seconds of a launched run reached each process inside the run's imports (torch,
+    transformers), before `hf_sparse_cp.run` could end it in silence: each printed Python's KeyboardInterrupt
+    traceback through them. The launched processes run `launch.worker`, which ends such a process with status 130
+    and nothing printed (the launcher prints the one line)."""
+    import types
+
+    from hf_sparse_cp.launch import worker
+
+    class Importing(types.ModuleType):
+        def __getattr__(self, name):  # (the run's module, still importing when the signal comes)
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "hf_sparse_cp.run", Importing("hf_sparse_cp.run"))
+    with pytest.raises(SystemExit) as ended:
+        worker.main()
+    assert ended.value.code == 130 and capsys.readouterr() == ("", "")

@@ -221,3 +221,28 @@ def test_torchruns_line_on_a_refused_worker_is_dropped_and_any_other_kept():
     assert not drops_refused_failure(record(failed, 2, 0, 123, "python"))
     assert drops_refused_failure(record(failed, 1, 0, 123, "python"))  # a crash: its line stays
     assert drops_refused_failure(record("Sending process %s closing signal %s", 2, "SIGTERM"))
+
+
+@pytest.mark.parametrize("use_cpu, fix", [
+    (False, "pass --use_cpu"),
+    (True, "Build the TrainingArguments inside that function"),
+])
+def test_processes_the_trainer_does_not_see_are_refused_naming_the_fix_that_applies(monkeypatch, use_cpu, fix):
+    """accelerate's notebook_launcher forks processes from the notebook's: TrainingArguments built there, before the
+    launch (as a notebook does in a cell of its own), set accelerate's state up for one process, which each forked
+    process keeps, its Trainer seeing 1 of 2 processes. The check's message said 'pass --use_cpu', which the
+    arguments already had (SparseTrainingArguments sets it on a machine without an accelerator); it now names
+    building the arguments inside the launched function. Without use_cpu on a machine without one, --use_cpu."""
+    import types
+
+    import torch
+
+    from hf_sparse_cp.trainer.attach import check_launch
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(num_processes=1),
+                                    args=types.SimpleNamespace(use_cpu=use_cpu))
+    with pytest.raises(ValueError, match="2 processes were launched but the Trainer sees 1") as refused:
+        check_launch(trainer)
+    assert fix in str(refused.value)
