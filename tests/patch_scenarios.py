@@ -152,6 +152,17 @@ def memory_savers() -> Iterator:
         disable_memory_savers(model)
 
 
+def compiled_norms_and_mlps() -> Iterator:
+    from hf_sparse_cp.integration.fused_ops import disable_fused_ops, enable_fused_ops
+
+    model = AutoModelForCausalLM.from_config(tiny_config("gemma3_text"))
+    layer = model.model.layers[0]
+    yield [(m, "forward") for m in (layer.mlp, layer.input_layernorm, model.model.norm)]
+    enable_fused_ops(model, "compile")
+    yield
+    disable_fused_ops(model)
+
+
 def sparse_attention() -> Iterator:
     from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments, disable_sparse_attention, enable_sparse_attention
 
@@ -343,6 +354,7 @@ ONE_PROCESS = {
     ("transformers.PreTrainedModel.forward",): lean_loss,
     (*(f"{module}.{name}.forward" for name, (module, _) in rowwise_classes().items()),
      "transformers.modeling_layers.GradientCheckpointingLayer.forward"): memory_savers,
+    ("torch.nn.Module.forward",): compiled_norms_and_mlps,
     ("transformers.PretrainedConfig.sparse_attention", "transformers.TrainingArguments.gradient_checkpointing"):
         sparse_attention,
     ("transformers.TrainingArguments.use_liger_kernel",): liger_kernel_flag,

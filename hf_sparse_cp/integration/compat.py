@@ -344,6 +344,10 @@ PATCHES = (
             "(fused_ops.py, --sparse_fused_ops compile), on the model's own instances", "disable_memory_savers(model) "
             "/ disable_fused_ops(model) / disable_sparse_attention(model)", ("self", argument))
       for name, (module, argument) in rowwise_classes().items()),
+    Patch("torch.nn.Module", "forward", "replaces", "fused ops: a decoder layer's norms and dense MLP of an "
+          "architecture outside the token tiles' classes (a norm without submodules, an MLP of linear layers and "
+          "activations: `fused_ops.compiled_modules`) run through torch.compile (--sparse_fused_ops compile), on the "
+          "model's own instances", "disable_fused_ops(model) / disable_sparse_attention(model)"),
     *(Patch(module, "load_balancing_loss_func", "replaces", "a MoE router's load-balancing loss is not a sum over "
             "tokens: under CP the wrapper computes it from the router logits gathered over the CP group, as one "
             "process (trainer/router_loss.py; process-wide, while CP is on; every installed modeling module whose "

@@ -17,9 +17,10 @@ loss to the lean loss:
   whole (a Trainer's --torch_compile, or accelerate's dynamo backend): inductor fuses that work there, and liger's
   RoPE writes q and k in place, its SwiGLU backward its saved inputs, its RMSNorm backward the incoming gradient,
   all from raw Triton kernels that dynamo puts into the graphs for inductor to functionalize.
-* 'compile': every decoder layer's MLP and RMSNorms and the final norm (the modules token tiles take,
-  `memory_savers.rowwise_modules`) run through `torch.compile` (one compiled function per class, dynamic
-  shapes: token tiles and sequence lengths vary), on any device inductor supports.
+* 'compile': every decoder layer's MLP and norms around attention and the final norm (`memory_savers.layer_modules`)
+  run through `torch.compile` (one compiled function per class, dynamic shapes: token tiles and sequence lengths
+  vary), on any device inductor supports: the classes token tiles take, and another architecture's norms and dense
+  MLPs (`compiled_modules`); a mixture of experts or a module with dropout is left to eager PyTorch, with a warning.
 
 Every change is recorded on the model (`patching.record_on`): `disable_fused_ops(model)` restores the
 modules, and the process-wide names liger replaced (module functions and classes) while they are still
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import logging
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -37,8 +39,11 @@ from typing import Any
 import torch
 
 from ..backends import is_available
-from .memory_savers import ReplacedForward, rowwise_modules
+from .architectures import tileable_classes
+from .memory_savers import ReplacedForward, layer_modules
 from .patching import record_on, undo_recorded
+
+logger = logging.getLogger(__name__)
 
 _FEATURE = "fused_ops"
 FUSED_OPS = ("auto", "liger", "compile", "off")
@@ -109,6 +114,33 @@ class _CompiledForward(ReplacedForward):
         return _compiled(self._replaced)(*args, **kwargs)
 
 
+def _pure(module: torch.nn.Module) -> bool:
+    """Whether `module`'s forward is a function of its input and parameters alone, which torch.compile computes as
+    eager PyTorch does (to rounding): a module without submodules (a norm: Gemma's (1 + weight) RMSNorm, Cohere's
+    LayerNorm) or one whose submodules are linear layers and activations (a dense MLP: Gemma's GeGLU, Phi-3's fused
+    gate_up); not one holding dropout (inductor draws other random numbers) or routers and experts (a mixture of
+    experts: data-dependent routing, and the causal LM's hooks record its routers' logits)."""
+    from transformers import activations
+
+    kinds = (activations.__name__, torch.nn.modules.activation.__name__)
+    return all(isinstance(m, torch.nn.Linear) or type(m).__module__ in kinds for m in list(module.modules())[1:])
+
+
+def compiled_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of the modules 'compile' runs through torch.compile: those of `memory_savers.layer_modules` of a
+    class token tiles take (`architectures.tileable_classes`) or `_pure`. The others (a mixture of experts, a module
+    with dropout) are left to eager PyTorch, with a warning naming their classes; with none left, nothing is
+    compiled."""
+    known, found = tileable_classes(), layer_modules(model)
+    kept = [(name, m) for name, m in found if type(m).__name__ in known or _pure(m)]
+    left = sorted({type(m).__name__ for _, m in found} - {type(m).__name__ for _, m in kept})
+    if left:
+        logger.warning("--sparse_fused_ops compile: %s of %s left to eager PyTorch: not a function of its input alone "
+                       "(routed experts, dropout, or submodules other than linear layers and activations).",
+                       ", ".join(left), type(model).__name__)
+    return kept
+
+
 def enable_fused_ops(model: torch.nn.Module, choice: str, liger_config: Mapping[str, Any] | None = None) -> None:
     """Fuse the non-attention work of `model`'s decoder layers; `disable_fused_ops(model)` undoes it.
 
@@ -117,14 +149,14 @@ def enable_fused_ops(model: torch.nn.Module, choice: str, liger_config: Mapping[
         choice: 'liger', 'compile' or 'off' (`resolve_fused_ops`).
         liger_config: for 'liger', liger-kernel's keyword arguments (`liger_settings`).
 
-    Raises ValueError when fused ops are already enabled on `model`, and for 'compile' when a module of the
-    decoder layers is not known to treat every token on its own (`memory_savers.rowwise_modules`).
+    Raises ValueError when fused ops are already enabled on `model`. For 'compile', a module of the decoder layers
+    that is not known to compile exactly (`compiled_modules`) is left as it is, with a warning naming its class.
     """
     if choice not in FUSED_OPS[1:]:
         raise ValueError(f"choice={choice!r}: use one of {FUSED_OPS[1:]} (resolve 'auto' with resolve_fused_ops).")
     if choice == "off":
         return
-    modules = rowwise_modules(model) if choice == "compile" else []
+    modules = compiled_modules(model) if choice == "compile" else []
     patches = record_on(model, _FEATURE)
     if choice == "compile":
         for _, module in modules:

@@ -26,23 +26,30 @@ _FEATURE = "memory_savers"
 _LAYER_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp")
 
 
-def rowwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of every module the token tiles apply to. Raises ValueError when one of them is
-    not of a class known to be row-wise (`architectures.tileable_classes`)."""
-    names, rowwise = {m: n for n, m in model.named_modules()}, tileable_classes()
+def layer_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of every decoder layer's `mlp`, `input_layernorm` and `post_attention_layernorm` and of the
+    decoder's final `norm`, of whatever class (the modules token tiles and the compiled fused ops take)."""
+    names = {m: n for n, m in model.named_modules()}
     found = [getattr(layer, attr) for layer in decoder_layers(model) for attr in _LAYER_MODULES if hasattr(layer, attr)]
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     if isinstance(getattr(decoder, "norm", None), torch.nn.Module):
         found.append(decoder.norm)
+    return [(names.get(m, "?"), m) for m in found if isinstance(m, torch.nn.Module)]
+
+
+def rowwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of every module the token tiles apply to (`layer_modules`). Raises ValueError when one of
+    them is not of a class known to be row-wise (`architectures.tileable_classes`)."""
+    rowwise, found = tileable_classes(), layer_modules(model)
     if not found:
         raise ValueError(f"{type(model).__name__} has no decoder layers with an `mlp` or RMSNorms to tile; turn "
                          "token tiles off (--sparse_token_tiling_min_length 0).")
-    for m in found:
+    for name, m in found:
         if type(m).__name__ not in rowwise:
-            raise ValueError(f"{names.get(m, '?')} is a {type(m).__name__}, not known to treat every token on its "
+            raise ValueError(f"{name} is a {type(m).__name__}, not known to treat every token on its "
                              f"own (tiles take {sorted(rowwise)}); turn token tiles off "
                              "(--sparse_token_tiling_min_length 0).")
-    return [(names.get(m, "?"), m) for m in found]
+    return found
 
 
 class ReplacedForward:

@@ -5,6 +5,7 @@ are a stock --torch_compile run's (the Trainer compiles the whole model; the spa
 plugin's custom ops, no graph break at them), alone and with the fused ops, token tiles and gradient checkpointing.
 Under CP 2: tests/distributed/test_fused_ops_cp.py."""
 
+import copy
 import warnings
 
 import pytest
@@ -12,9 +13,10 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, HfArgumentParser
 
+import hf_sparse_cp
 from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
 from hf_sparse_cp.integration.compiled import TORCH_TRACES_THE_OPS
-from hf_sparse_cp.integration.fused_ops import fused_modules
+from hf_sparse_cp.integration.fused_ops import enable_fused_ops, fused_modules
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 FLAGS = ["--max_steps", "2", "--per_device_train_batch_size", "1", "--learning_rate", "0.5", "--logging_steps", "1",
@@ -87,3 +89,26 @@ def test_torch_compile_trains_like_the_uncompiled_step(tmp_path, single_thread, 
     assert kept == pytest.approx([log["sparse/kept_fraction"] for log in stock.state.log_history if "loss" in log])
     assert kept[0] < 1  # (the sparse path ran, inside the compiled graphs)
     _assert_trained_alike(run, stock)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "phi3", "cohere", "mixtral"])
+def test_another_architectures_compiled_norms_and_mlps_give_the_unfused_numbers(model_type, single_thread):
+    """Gemma 3's (1 + weight) RMSNorm and GeGLU tanh, Phi-3's fused gate_up, Cohere's LayerNorm, Mixtral's norms (its
+    experts left eager): the compiled model's logits, loss and gradients are the unfused one's (fp32 rounding)."""
+    hf_sparse_cp.patch()
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size=97, num_hidden_layers=2))
+    model = copy.deepcopy(stock)
+    enable_fused_ops(model, "compile")
+    assert fused_modules(model)["compiled"] >= 5
+    ids = torch.randint(0, 97, (2, 48), generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for m in (model, stock):
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        outputs.append((out.logits, out.loss, [p.grad for p in m.parameters()]))
+    (logits, loss, grads), (stock_logits, stock_loss, stock_grads) = outputs
+    torch.testing.assert_close(logits, stock_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, stock_loss, rtol=1e-6, atol=0)
+    for grad, stock_grad in zip(grads, stock_grads, strict=True):
+        torch.testing.assert_close(grad, stock_grad, rtol=1e-4, atol=1e-6)

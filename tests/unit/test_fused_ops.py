@@ -176,3 +176,29 @@ def test_compile_wraps_exactly_the_rowwise_modules_and_undoes():
         enable_fused_ops(model, "compile")
     disable_fused_ops(model)
     assert fused_modules(model) == {} and describe_fused_ops(model).startswith("fused ops: off")
+
+
+@pytest.mark.parametrize("model_type, compiled, left", [
+    ("gemma3_text", {"Gemma3MLP": LAYERS, "Gemma3RMSNorm": 2 * LAYERS + 1}, None),
+    ("cohere", {"CohereMLP": LAYERS, "CohereLayerNorm": LAYERS + 1}, None),
+    ("mixtral", {"MixtralRMSNorm": 2 * LAYERS + 1}, "MixtralSparseMoeBlock")])
+def test_compile_takes_another_architectures_norms_and_dense_mlps_and_leaves_experts_naming_them(
+        model_type, compiled, left, caplog, tmp_path):
+    """--sparse_fused_ops compile on an architecture outside the Llama-like families was refused with the token
+    tiles' message ("turn token tiles off", a flag the run did not give). Its norms and dense MLP now compile (Gemma 3's
+    pre/post-feedforward norms stay eager: not at the token tiles' places); a mixture of experts is left to eager
+    PyTorch, named. Their numbers: tests/integration/test_fused_ops_compile.py."""
+    hf_sparse_cp.patch()
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size=97, num_hidden_layers=LAYERS))
+    configure(model, PATTERN)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with caplog.at_level("WARNING", logger=fused_ops.__name__):
+        enable_sparse_attention(model, SparseCPArguments(sparse_attention=True, sparse_fused_ops="compile"), PATTERN,
+                                args)
+    assert {name: sum(isinstance(m.__dict__.get("forward"), ReplacedForward) for m in model.modules()
+                      if type(m).__name__ == name) for name in compiled} == compiled
+    assert fused_modules(model) == {"compiled": sum(compiled.values())}
+    assert (f"--sparse_fused_ops compile: {left} of {type(model).__name__} left to eager PyTorch" in caplog.text
+            if left else "left to eager PyTorch" not in caplog.text)
+    disable_sparse_attention(model)
+    assert fused_modules(model) == {}
