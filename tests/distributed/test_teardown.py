@@ -105,17 +105,9 @@ def test_a_script_leaving_with_a_failing_exit_code_skips_the_exit_barrier(tmp_pa
     there alone) leaves the others in another collective, as an uncaught exception does, but python records no
     exception for it: the launcher notes the code, so its exit handler neither waits at the barrier (before: until
     the group's timeout) nor destroys the group. A clean `sys.exit(0)` keeps the barrier."""
-    from hf_sparse_cp.run import main as run
-
-    (tmp_path / "leave.py").write_text(f"import sys\nsys.exit({code!r})\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sparse_trainer, "_failing_exit", [])
-    with pytest.raises(SystemExit) as leaving:
-        run(["leave.py"])
-    assert leaving.value.code == code
-    for name in ("last_exc", "last_value"):
-        monkeypatch.delattr(sys, name, raising=False)
-    assert _exit_handler_calls(monkeypatch) == (["settle"] if skips_the_barrier else ["quiesce", "destroy"])
+    left, calls = _launched_script_exit(tmp_path, monkeypatch, f"import sys\nsys.exit({code!r})\n")
+    assert left == code
+    assert calls == (["settle"] if skips_the_barrier else ["quiesce", "destroy"])
 
 
 def test_a_rank_interrupted_after_training_skips_the_exit_barrier(tmp_path, monkeypatch):
@@ -124,17 +116,23 @@ def test_a_rank_interrupted_after_training_skips_the_exit_barrier(tmp_path, monk
     handler settles without the barrier, as for a failing `sys.exit` (before: it waited there for the other, which
     never came, until the group's timeout)."""
     from hf_sparse_cp.launch.interrupts import INTERRUPTED
+
+    assert _launched_script_exit(tmp_path, monkeypatch, "raise KeyboardInterrupt\n") == (INTERRUPTED, ["settle"])
+
+
+def _launched_script_exit(tmp_path, monkeypatch, script: str) -> tuple[object, list[str]]:
+    """(the exit code, what the exit handler then does: `_exit_handler_calls`) of `script` run by the launcher's
+    `hf_sparse_cp.run`, with no exception recorded as python records one it printed."""
     from hf_sparse_cp.run import main as run
 
-    (tmp_path / "interrupted.py").write_text("raise KeyboardInterrupt\n")
+    (tmp_path / "script.py").write_text(script)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sparse_trainer, "_failing_exit", [])
     with pytest.raises(SystemExit) as leaving:
-        run(["interrupted.py"])
-    assert leaving.value.code == INTERRUPTED
+        run(["script.py"])
     for name in ("last_exc", "last_value"):
         monkeypatch.delattr(sys, name, raising=False)
-    assert _exit_handler_calls(monkeypatch) == ["settle"]
+    return leaving.value.code, _exit_handler_calls(monkeypatch)
 
 
 def _exit_handler_of_rank(rank: int, world: int, leaving: int | None, workdir: str) -> list[str]:
