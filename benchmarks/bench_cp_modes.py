@@ -86,7 +86,7 @@ def _measure(rank: int, world: int, mode: str, args: argparse.Namespace) -> dict
     full = [*local_qk(hq, hkv, args.seq, args.head_dim, args.span, generator=g),
             *(torch.randn(1, h, args.seq, args.head_dim, generator=g) for h in (hkv, hq))]
     shard = prepare_context_parallel_inputs({"input_ids": torch.zeros(1, args.seq, dtype=torch.long)}, par,
-                                            block_size=cfg.block_size)["cp_shard"]
+                                            block_size=cfg.block_size, sparse_config=cfg)["cp_shard"]
     q, k, v, dout = (shard.plan.shard(x, par.cp_rank, dim=2) for x in full)
     del full
     stats = RingStats()

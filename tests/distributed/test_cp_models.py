@@ -78,7 +78,8 @@ def _registry_under_cp2(rank: int, world: int, model_types: tuple[str, ...], fla
         ref_loss = F.cross_entropy(ref.logits[0, :-1], ids[0, 1:])
         ref_grads = torch.autograd.grad(ref_loss, params, allow_unused=True)
         ref_kept = pop_kept_fractions(model)
-        inputs = prepare_context_parallel_inputs({"input_ids": ids, "labels": ids}, par, block_size=BLOCK)
+        inputs = prepare_context_parallel_inputs({"input_ids": ids, "labels": ids}, par, block_size=BLOCK,
+                                                 sparse_config=PATTERN)  # (the document plan follows it)
         targets = inputs.pop("shift_labels")
         del inputs["labels"]
         out = model(**inputs)
