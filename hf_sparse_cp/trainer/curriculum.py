@@ -42,7 +42,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 
 from ..config import MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, language_config
-from ..distributed import ContextParallelConfig, ParallelDims, check_sizes
+from ..distributed import ContextParallelConfig, ParallelDims, ShardPlan, check_sizes
 from ..integration import compat
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.given import require_instance, require_trainer
@@ -170,9 +170,10 @@ def _check_zigzag_length(stage: Stage, sparse_config: SparseAttentionConfig, cp_
     and trained every rank on 128 tokens, 64 of them padding)."""
     if stage.cp_size == 1 or cp_config.cp_sharding != "zigzag":
         return
-    unit = 2 * sparse_config.block_size * stage.cp_size
-    if stage.seq_len % unit:
-        padded, block = -(-stage.seq_len // unit) * unit, sparse_config.block_size
+    block = sparse_config.block_size
+    plan = ShardPlan("zigzag", stage.cp_size, block, stage.seq_len)  # (the split the stage's batches get)
+    if plan.padded_len != stage.seq_len:
+        unit, padded = plan.granularity, plan.padded_len
         raise ValueError(
             f"seq_len={stage.seq_len} does not split into zigzag's head and tail chunks of whole {block}-token blocks "
             f"on each of {stage.cp_size} CP ranks (a multiple of {unit} does): every sequence would be "
