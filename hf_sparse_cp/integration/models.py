@@ -162,32 +162,32 @@ def _attention_calls(model: torch.nn.Module, with_shard: bool = False, context_p
     if _peft_config(model) is None:
         try:
             return _probe(_architecture(model), "meta", with_shard)
-        except NonCausalMask as e:
-            raise non_causal_refusal(model, e, context_parallel) from None
-        except RefusedAtMask as e:
-            raise _mask_refusal(e, context_parallel) from None
+        except (NonCausalMask, RefusedAtMask) as e:
+            raise _mask_refusal(model, e, context_parallel) from None
         except Exception as e:  # any failure on meta: fall back to the real model, whose failure is reported
             logger.info("Probing %s itself: its architecture does not run on the meta device (%s).",
                         type(model).__name__, e)
     try:
         return _probe(model, next(model.parameters()).device, with_shard)
-    except NonCausalMask as e:
-        raise non_causal_refusal(model, e, context_parallel) from None
-    except RefusedAtMask as e:
-        raise _mask_refusal(e, context_parallel) from None
+    except (NonCausalMask, RefusedAtMask) as e:
+        raise _mask_refusal(model, e, context_parallel) from None
     except Exception as e:
         model_type = getattr(model.config, "model_type", type(model).__name__)
         raise ProbeFailed(
             f"{type(model).__name__} (model type {model_type!r}) does not run with attn_implementation="
             f"'{BACKEND_NAME}': a forward of it with the backend failed outside attention ({type(e).__name__}: {e}), "
-            "e.g. a layer that reads the attention mask as the 4D mask eager and sdpa get (DeepSeek-V3.2's "
-            "sparse-attention indexer), where sparse_cp hands over the 2D padding mask. Train it with dense attention "
-            "(--sparse_attention false; context parallelism needs sparse_cp)."
+            "e.g. a layer that reads the attention mask as the 4D mask eager and sdpa get, where sparse_cp hands over "
+            "the 2D padding mask. Train it with dense attention (--sparse_attention false; context parallelism needs "
+            "sparse_cp)."
         ) from e
 
 
-def _mask_refusal(refused: RefusedAtMask, context_parallel: bool) -> ValueError:
-    """`refused` as it is, or under CP with the fix that drops CP too (its ring needs sparse_cp)."""
+def _mask_refusal(model: torch.nn.Module, refused: NonCausalMask | RefusedAtMask, context_parallel: bool
+                  ) -> ValueError:
+    """The refusal of `model` whose mask function refused its mask: `non_causal_refusal` of a mask that lets tokens
+    see later ones, else `refused` as it is, or under CP with the fix that drops CP too (its ring needs sparse_cp)."""
+    if isinstance(refused, NonCausalMask):
+        return non_causal_refusal(model, refused, context_parallel)
     if not context_parallel:
         return refused
     return ValueError(f"{refused} Context parallelism needs sparse_cp: train it without (drop --cp_size).")
