@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+import torch
 from transformers import TrainingArguments
 
 from hf_sparse_cp.distributed import ContextParallelConfig
@@ -1372,3 +1373,41 @@ def test_a_hierarchical_ring_the_nodes_cannot_hold_is_refused_at_launch(tmp_path
     if "cp_node_size" not in cp:  # (no ranks per node known, from the launch or the flag: nothing to check)
         args().check_launch({"WORLD_SIZE": env["WORLD_SIZE"]})
     args(cp_node_size=2).check_launch(env)  # two nodes' inner rings of 2 (4), or one node of 2 (flat)
+
+
+class _LayerReadingA4DMask(torch.nn.Module):
+    """A decoder layer that reads the attention mask as the 4D one eager and sdpa get."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        attention_mask[:, :, -1]  # a 2D mask has no third dimension; None has none at all
+        return self.layer(hidden_states, attention_mask=attention_mask, **kwargs)
+
+
+def test_a_model_whose_forward_fails_outside_attention_on_the_backend_is_refused_naming_the_fix():
+    """A model whose forward on the backend fails outside attention, on the meta device and with its weights, is
+    refused as configure() switches it (`ProbeFailed`), naming the model and the dense fix, not with the layer's own
+    error at the first training step."""
+    from transformers import LlamaForCausalLM
+
+    import hf_sparse_cp
+    from hf_sparse_cp import configure
+    from hf_sparse_cp.integration.models import ProbeFailed
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    class ReadsA4DMask(LlamaForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model.layers = torch.nn.ModuleList(_LayerReadingA4DMask(layer) for layer in self.model.layers)
+
+    hf_sparse_cp.patch()
+    model = ReadsA4DMask(tiny_config("llama"))
+    before = model.config._attn_implementation
+    with pytest.raises(ProbeFailed, match=r"ReadsA4DMask \(model type 'llama'\) does not run with attn_implementation="
+                                          r"'sparse_cp': a forward of it with the backend failed outside attention "
+                                          r"\(TypeError: .*--sparse_attention false"):
+        configure(model)
+    assert model.config._attn_implementation == before  # left as it was
