@@ -17,10 +17,11 @@ loss to the lean loss:
   whole (a Trainer's --torch_compile, or accelerate's dynamo backend): inductor fuses that work there, and liger's
   RoPE writes q and k in place, its SwiGLU backward its saved inputs, its RMSNorm backward the incoming gradient,
   all from raw Triton kernels that dynamo puts into the graphs for inductor to functionalize.
-* 'compile': every decoder layer's MLP and norms around attention and the final norm (`memory_savers.layer_modules`)
-  run through `torch.compile` (one compiled function per class, dynamic shapes: token tiles and sequence lengths
-  vary), on any device inductor supports: the classes token tiles take, and another architecture's norms and dense
-  MLPs (`compiled_modules`); a mixture of experts or a module with dropout is left to eager PyTorch, with a warning.
+* 'compile': every decoder layer's MLP and norms (those around attention, `memory_savers.layer_modules`, and the
+  other norms and feed-forward blocks a layer holds) and the final norm run through `torch.compile` (one compiled
+  function per class, dynamic shapes: token tiles and sequence lengths vary), on any device inductor supports: the
+  classes token tiles take, and another architecture's norms and dense MLPs (`compiled_modules`); a mixture of
+  experts or a module with dropout is left to eager PyTorch, with a warning.
 
 Every change is recorded on the model (`patching.record_on`): `disable_fused_ops(model)` restores the
 modules, and the process-wide names liger replaced (module functions and classes) while they are still
@@ -39,8 +40,10 @@ from typing import Any
 import torch
 
 from ..backends import is_available
+from ..config.model_fields import decoder_layers
 from .architectures import tileable_classes
 from .memory_savers import ReplacedForward, layer_modules
+from .models import attention_modules
 from .patching import record_on, undo_recorded
 
 logger = logging.getLogger(__name__)
@@ -126,12 +129,28 @@ def _pure(module: torch.nn.Module) -> bool:
     return all(isinstance(m, torch.nn.Linear) or type(m).__module__ in kinds for m in list(module.modules())[1:])
 
 
+def _layer_children(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of `memory_savers.layer_modules`, then of every other module with parameters a decoder layer
+    holds directly that holds no attention (`models.attention_modules`): the norms and feed-forward blocks an
+    architecture keeps under other names (Gemma's and OLMo 2's post-feedforward norms, GLM-4's post-MLP norm, Llama 4's
+    feed_forward). Only `layer_modules` where the probe finds no attention module (none would be told apart)."""
+    found = layer_modules(model)
+    attention = {id(m) for _, m, _ in attention_modules(model)}
+    if not attention:
+        return found
+    names, taken = {m: n for n, m in model.named_modules()}, {id(m) for _, m in found}
+    others = [child for layer in decoder_layers(model) for child in layer.children()
+              if id(child) not in taken and any(True for _ in child.parameters())
+              and not any(id(m) in attention for m in child.modules())]
+    return found + [(names.get(m, "?"), m) for m in others]
+
+
 def compiled_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of the modules 'compile' runs through torch.compile: those of `memory_savers.layer_modules` of a
-    class token tiles take (`architectures.tileable_classes`) or `_pure`. The others (a mixture of experts, a module
-    with dropout) are left to eager PyTorch, with a warning naming their classes; with none left, nothing is
-    compiled."""
-    known, found = tileable_classes(), layer_modules(model)
+    """(name, module) of the modules 'compile' runs through torch.compile: those of `_layer_children` (the decoder
+    layers' norms and feed-forward blocks, and the final norm) of a class token tiles take
+    (`architectures.tileable_classes`) or `_pure`. The others (a mixture of experts, a module with dropout, a Mamba
+    mixer) are left to eager PyTorch, with a warning naming their classes; with none left, nothing is compiled."""
+    known, found = tileable_classes(), _layer_children(model)
     kept = [(name, m) for name, m in found if type(m).__name__ in known or _pure(m)]
     left = sorted({type(m).__name__ for _, m in found} - {type(m).__name__ for _, m in kept})
     if left:

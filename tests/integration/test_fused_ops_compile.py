@@ -91,7 +91,7 @@ def test_torch_compile_trains_like_the_uncompiled_step(tmp_path, single_thread, 
     _assert_trained_alike(run, stock)
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "phi3", "cohere", "mixtral"])
+@pytest.mark.parametrize("model_type", ["gemma3_text", "phi3", "cohere", "mixtral", "glm4"])
 def test_another_architectures_compiled_norms_and_mlps_give_the_unfused_numbers(model_type, single_thread):
     """Gemma 3's (1 + weight) RMSNorm and GeGLU tanh, Phi-3's fused gate_up, Cohere's LayerNorm, Mixtral's norms (its
     experts left eager): the compiled model's logits, loss and gradients are the unfused one's (fp32 rounding)."""

@@ -179,15 +179,18 @@ def test_compile_wraps_exactly_the_rowwise_modules_and_undoes():
 
 
 @pytest.mark.parametrize("model_type, compiled, left", [
-    ("gemma3_text", {"Gemma3MLP": LAYERS, "Gemma3RMSNorm": 2 * LAYERS + 1}, None),
+    ("gemma3_text", {"Gemma3MLP": LAYERS, "Gemma3RMSNorm": 4 * LAYERS + 1}, None),  # (not its q/k norms)
+    ("olmo2", {"Olmo2MLP": LAYERS, "Olmo2RMSNorm": 2 * LAYERS + 1}, None),
+    ("glm4", {"Glm4MLP": LAYERS, "Glm4RMSNorm": 4 * LAYERS + 1}, None),
     ("cohere", {"CohereMLP": LAYERS, "CohereLayerNorm": LAYERS + 1}, None),
     ("mixtral", {"MixtralRMSNorm": 2 * LAYERS + 1}, "MixtralSparseMoeBlock")])
 def test_compile_takes_another_architectures_norms_and_dense_mlps_and_leaves_experts_naming_them(
         model_type, compiled, left, caplog, tmp_path):
     """--sparse_fused_ops compile on an architecture outside the Llama-like families was refused with the token
-    tiles' message ("turn token tiles off", a flag the run did not give). Its norms and dense MLP now compile (Gemma 3's
-    pre/post-feedforward norms stay eager: not at the token tiles' places); a mixture of experts is left to eager
-    PyTorch, named. Their numbers: tests/integration/test_fused_ops_compile.py."""
+    tiles' message ("turn token tiles off", a flag the run did not give). Its norms and dense MLP now compile, those
+    under other names than the token tiles' too (Gemma 3's pre/post-feedforward norms, OLMo 2's post-feedforward norm
+    and GLM-4's post-MLP norm were left eager), never attention's own q/k norms; a mixture of experts is left to
+    eager PyTorch, named. Their numbers: tests/integration/test_fused_ops_compile.py."""
     hf_sparse_cp.patch()
     model = AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size=97, num_hidden_layers=LAYERS))
     configure(model, PATTERN)
