@@ -70,11 +70,12 @@ def _compiled_under_cp2(rank: int, world: int, whole_model: bool = False, mode: 
             "grads": grad_error, "breaks": [reason.splitlines()[0] for reason in counters["graph_break"]]}
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text"])  # (Gemma 3's (1 + weight) RMSNorm and GeGLU tanh)
-def test_compiled_mlps_and_norms_under_cp2_equal_one_unfused_process(model_type):
+# (Gemma 3's (1 + weight) RMSNorm and GeGLU tanh, and its pre/post-feedforward norms)
+@pytest.mark.parametrize("model_type, norms", [("qwen2", 2), ("gemma3_text", 4)])
+def test_compiled_mlps_and_norms_under_cp2_equal_one_unfused_process(model_type, norms):
     for result in run_gloo(_compiled_under_cp2, 2, False, "ring", "inductor", {"model_type": model_type},
                            timeout_s=900):
-        assert result["compiled"] == 3 * 2 + 1  # two layers' MLP and two norms, the final norm
+        assert result["compiled"] == (1 + norms) * 2 + 1  # two layers' MLP and norms, the final norm
         # the RMSNorms compute in float32 whatever the model's dtype, and inductor's fused kernel rounds its
         # float32 steps in another order than eager PyTorch: agreement to float32 rounding, not float64's
         assert result["logits"] < 1e-6 and result["loss"] < 1e-6, result
