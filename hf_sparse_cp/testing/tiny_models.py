@@ -293,6 +293,11 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
             config = AutoConfig.for_model(model_type, **{**given, **full})
         else:
             config.layer_types, config.sliding_window = full["layer_types"], full["sliding_window"]
+    shared = getattr(config, "num_kv_shared_layers", 0)
+    if shared and "num_kv_shared_layers" not in overrides and shared >= config.num_hidden_layers:
+        # (Gemma 3n: the last 15 of its 35 layers reuse earlier layers' keys and values; of the tiny model's 2 layers,
+        # all would, none left to store them: transformers fails to build the model) half the layers share
+        config.num_kv_shared_layers = config.num_hidden_layers // 2
     for name in sorted(derived & set(overrides)):
         if getattr(config, name) != overrides[name]:
             raise ValueError(f"{model_type}: {name}={overrides[name]} cannot be set, {config_class.__name__} derives "

@@ -546,6 +546,33 @@ def test_a_tiny_model_of_a_latent_attention_or_hybrid_family_runs_and_sparse_cp_
         hf_sparse_cp.unpatch()
 
 
+@pytest.mark.parametrize("model_type", released_model_types("gemma3n_text"))
+def test_a_tiny_model_whose_family_shares_more_layers_than_it_has_shares_half_and_sparse_cp_computes_it(model_type):
+    """Gemma 3n's last 15 layers reuse earlier layers' keys and values: of the tiny model's 2 all did, and
+    transformers failed to build it ('The set of layer types producing a cache is different than the set of layer
+    types using them'; `--tiny_model_type gemma3n_text` crashed at the model's build). Half its layers share now (a
+    given num_kv_shared_layers stays as given), and sparse_cp with every block kept gives sdpa's logits."""
+    from hf_sparse_cp import SparseAttentionConfig
+
+    config = tiny_config(model_type, vocab_size=97)
+    assert config.num_kv_shared_layers == 1
+    assert tiny_config(model_type, num_kv_shared_layers=0).num_kv_shared_layers == 0
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    assert [layer.self_attn.is_kv_shared_layer for layer in model.model.layers] == [False, True]
+    ids = torch.randint(3, 97, (2, 96), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        sdpa = model(input_ids=ids).logits
+    hf_sparse_cp.patch()
+    try:
+        hf_sparse_cp.configure(model, SparseAttentionConfig(block_size=16, min_seq_len=0, vertical_topk=10**4,
+                                                            slash_topk=10**4, dense_first_layers=0))
+        with torch.no_grad():
+            assert torch.allclose(model(input_ids=ids).logits, sdpa, rtol=1e-4, atol=1e-5)
+    finally:
+        hf_sparse_cp.unpatch()
+
+
 @pytest.mark.parametrize("family", ["bert", "bart"])
 def test_a_bidirectional_or_encoder_decoder_model_is_refused_naming_the_fix(family):
     """A run_mlm.py-shaped script (BERT) or a seq2seq one (BART) under hf_sparse_cp.run was refused naming the cause
