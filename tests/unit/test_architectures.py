@@ -516,6 +516,20 @@ def test_a_tiny_model_of_a_family_that_takes_no_window_of_none_has_one_no_layer_
     assert AutoModelForCausalLM.from_config(config)(input_ids=ids).logits.isfinite().all()
 
 
+def _assert_every_block_kept_gives(model, ids, logits) -> None:
+    """`model` (sdpa) switched to sparse_cp with every block kept gives `logits` on `ids`."""
+    from hf_sparse_cp import SparseAttentionConfig
+
+    hf_sparse_cp.patch()
+    try:
+        hf_sparse_cp.configure(model, SparseAttentionConfig(block_size=16, min_seq_len=0, vertical_topk=10**4,
+                                                            slash_topk=10**4, dense_first_layers=0))
+        with torch.no_grad():
+            assert torch.allclose(model(input_ids=ids).logits, logits, rtol=1e-4, atol=1e-5)
+    finally:
+        hf_sparse_cp.unpatch()
+
+
 @pytest.mark.parametrize("model_type", released_model_types("deepseek_v3", "deepseek_v2", "minicpm3", "qwen3_next",
                                                              "qwen3_5_text", "lfm3"))
 def test_a_tiny_model_of_a_latent_attention_or_hybrid_family_runs_and_sparse_cp_computes_its_attention(model_type):
@@ -524,8 +538,6 @@ def test_a_tiny_model_of_a_latent_attention_or_hybrid_family_runs_and_sparse_cp_
     tensor b (16)'); `TINY_MLA` makes one that runs (queries and keys of 48, values of 32). Hybrids place attention
     every few layers, none among the tiny model's two ('get_seq_length can only be called on Attention layers'):
     the last layer attends. sparse_cp with every block kept gives sdpa's logits."""
-    from hf_sparse_cp import SparseAttentionConfig
-
     config = tiny_config(model_type, vocab_size=97)
     if hasattr(config, "kv_lora_rank"):
         assert config.head_dim == config.qk_rope_head_dim and config.qk_nope_head_dim + config.qk_rope_head_dim == 48
@@ -536,14 +548,7 @@ def test_a_tiny_model_of_a_latent_attention_or_hybrid_family_runs_and_sparse_cp_
     ids = torch.randint(3, 97, (2, 96), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         sdpa = model(input_ids=ids).logits
-    hf_sparse_cp.patch()
-    try:
-        hf_sparse_cp.configure(model, SparseAttentionConfig(block_size=16, min_seq_len=0, vertical_topk=10**4,
-                                                            slash_topk=10**4, dense_first_layers=0))
-        with torch.no_grad():
-            assert torch.allclose(model(input_ids=ids).logits, sdpa, rtol=1e-4, atol=1e-5)
-    finally:
-        hf_sparse_cp.unpatch()
+    _assert_every_block_kept_gives(model, ids, sdpa)
 
 
 @pytest.mark.parametrize("model_type", released_model_types("gemma3n_text"))
@@ -552,8 +557,6 @@ def test_a_tiny_model_whose_family_shares_more_layers_than_it_has_shares_half_an
     transformers failed to build it ('The set of layer types producing a cache is different than the set of layer
     types using them'; `--tiny_model_type gemma3n_text` crashed at the model's build). Half its layers share now (a
     given num_kv_shared_layers stays as given), and sparse_cp with every block kept gives sdpa's logits."""
-    from hf_sparse_cp import SparseAttentionConfig
-
     config = tiny_config(model_type, vocab_size=97)
     assert config.num_kv_shared_layers == 1
     assert tiny_config(model_type, num_kv_shared_layers=0).num_kv_shared_layers == 0
@@ -563,14 +566,7 @@ def test_a_tiny_model_whose_family_shares_more_layers_than_it_has_shares_half_an
     ids = torch.randint(3, 97, (2, 96), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         sdpa = model(input_ids=ids).logits
-    hf_sparse_cp.patch()
-    try:
-        hf_sparse_cp.configure(model, SparseAttentionConfig(block_size=16, min_seq_len=0, vertical_topk=10**4,
-                                                            slash_topk=10**4, dense_first_layers=0))
-        with torch.no_grad():
-            assert torch.allclose(model(input_ids=ids).logits, sdpa, rtol=1e-4, atol=1e-5)
-    finally:
-        hf_sparse_cp.unpatch()
+    _assert_every_block_kept_gives(model, ids, sdpa)
 
 
 @pytest.mark.parametrize("family", ["bert", "bart"])
