@@ -200,8 +200,12 @@ def test_a_registered_cp_mode_is_selectable_and_runs_as_itself(monkeypatch):
     assert register_cp_mode(mine) is mine  # (the same mode again: nothing changes)
     config = ContextParallelConfig(cp_size=2, cp_mode="my_ring")
     assert config.mode is mine and config.mode.resolve(config, 2) == (mine, 1)
-    with pytest.raises(ValueError, match=r"cp_mode 'ring' is already registered .*RingMode\); give RingMode another"):
-        register_cp_mode(RingMode())
+    class Shadow(RingMode):
+        name, help = "ring", "a plug-in under a built-in mode's name"
+
+    with pytest.raises(ValueError, match=r"cp_mode 'ring' is already registered .*ring.RingMode\); give .*Shadow "
+                                         r"another `name`"):
+        register_cp_mode(Shadow())
     with pytest.raises(TypeError, match="instance of a CPMode subclass"):
         register_cp_mode(types.SimpleNamespace(name="fake"))
     with pytest.raises(ValueError, match=r"cp_mode='my_rign' \(str\) is not valid: use one of 'ring', 'ulysses', "

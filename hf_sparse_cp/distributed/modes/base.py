@@ -113,8 +113,8 @@ _MODES: dict[str, CPMode] = {}
 
 def register_cp_mode(mode: CPMode) -> CPMode:
     """Make `mode` (an instance of a `CPMode` subclass) selectable as `ContextParallelConfig(cp_mode=mode.name)`.
-    A name registered to another mode is refused (registering the same mode again does nothing): the built-in
-    modes, and a plug-in's, cannot be replaced by accident."""
+    A name registered to a mode of another class is refused: the built-in modes, and a plug-in's, cannot be replaced
+    by accident (a class redefined under its name, a notebook's cell run again, replaces its earlier instance)."""
     if not isinstance(mode, CPMode):
         raise TypeError(f"register_cp_mode takes an instance of a CPMode subclass (hf_sparse_cp.distributed.CPMode), "
                         f"not {type(mode).__name__} {mode!r}: subclass CPMode, set its `name` and `help`, implement "
@@ -124,11 +124,15 @@ def register_cp_mode(mode: CPMode) -> CPMode:
         raise ValueError(f"{type(mode).__name__} has no `name` (a class attribute, the --cp_mode value that selects "
                          "it): set one before registering it.")
     held = _MODES.get(name)
-    if held is not None and held is not mode:
-        raise ValueError(f"cp_mode {name!r} is already registered ({held!r}, {type(held).__module__}."
-                         f"{type(held).__qualname__}); give {type(mode).__qualname__} another `name`.")
+    if held is not None and _class_name(held) != _class_name(mode):
+        raise ValueError(f"cp_mode {name!r} is already registered ({held!r}, {_class_name(held)}); give "
+                         f"{type(mode).__qualname__} another `name`.")
     _MODES[name] = mode
     return mode
+
+
+def _class_name(mode: CPMode) -> str:
+    return f"{type(mode).__module__}.{type(mode).__qualname__}"
 
 
 def cp_mode_named(name: str) -> CPMode:
