@@ -231,6 +231,25 @@ def test_per_layer_overrides():
     assert cfg.layer_configs() == [cfg.for_layer(i) for i in (0, 2, 3, 9)]
 
 
+def test_overlapping_overrides_run_the_same_pattern_once_saved_and_loaded():
+    """Where layer_overrides keys overlap, the narrower one's fields win whatever the mapping's order: applied in
+    that order, a layer given a range and its own key ('2-11' then '10') ran its own key's pattern in training and
+    the range's once the model was saved and loaded, as config.json holds its keys sorted ('10' before '2-11', #50)."""
+    from transformers import LlamaConfig
+
+    overrides = {"2-11": {"pattern": "dense", "sink_tokens": 8}, "10": {"pattern": "vertical_slash"},
+                 "0-3": {"sink_tokens": 4}}
+    cfg = SparseAttentionConfig(dense_first_layers=0, layer_overrides=overrides)
+    model_config = LlamaConfig(num_hidden_layers=12, sparse_attention=cfg.to_dict())
+    saved = json.loads(model_config.to_json_string())["sparse_attention"]
+    assert list(saved["layer_overrides"]) == ["0-3", "10", "2-11"]  # (what transformers writes)
+    loaded = SparseAttentionConfig.from_dict(saved)
+    want = [("vertical_slash", 4), ("vertical_slash", 4), ("dense", 4), ("dense", 4), *[("dense", 8)] * 6,
+            ("vertical_slash", 8), ("dense", 8)]
+    for config in (cfg, loaded):
+        assert [(config.for_layer(i).pattern, config.for_layer(i).sink_tokens) for i in range(12)] == want
+
+
 def test_a_config_says_which_flat_keys_its_layers_read():
     """What the arguments refuse when no layer of a run reads a flag given (issue #50): a budget or scoring key on a
     dense pattern, estimation_chunk without causal-chunk estimation; other keys always."""
