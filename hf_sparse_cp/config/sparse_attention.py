@@ -336,6 +336,20 @@ class SparseAttentionConfig(FileConfig):
             return self.replace(layer_overrides=None, dense_first_layers=0, **changes)
 
     @classmethod
+    def stored_on(cls, holder: Any) -> SparseAttentionConfig | None:
+        """The settings `holder` (a model config) stores (`FileConfig.stored_on`); settings it cannot read are refused
+        naming the fixes: a newer version's keys or a plug-in's budget mode (`register_budget`) cannot be read, a
+        model's settings can be replaced (`configure`)."""
+        try:
+            return super().stored_on(holder)
+        except ValueError as e:
+            raise ValueError(f"{str(e).removesuffix('.')}. The model's config holds settings this installation cannot "
+                             "read: if a newer hf-sparse-cp saved them, upgrade it (a plug-in's budget mode: register "
+                             "it before the model runs); else store settings of your own over them "
+                             f"(hf_sparse_cp.configure(model, SparseAttentionConfig(...))), or remove "
+                             f"{cls.FILE_SECTION!r} from the config.") from None
+
+    @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SparseAttentionConfig:
         """Build from a stored mapping (a saved model's config, a file): nested sections or the flat keys of
         any earlier version, which load as they ran (`sections.nested` with `stored`)."""
