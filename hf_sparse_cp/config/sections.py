@@ -243,7 +243,14 @@ def given_sections(budget: BudgetSection, scoring: Scoring) -> dict[str, Any]:
 
 
 def parsed_overrides(overrides: Any) -> Any:
-    """`layer_overrides` given as JSON text, parsed (None for blank text); any other value as it is."""
+    """`layer_overrides` given as JSON text, parsed (None for blank text); a mapping with its layers' section objects
+    (`budget=TopK(...)`, `scoring=Scoring(...)`) as the mappings of what they hold (`section_mapping`), as a saved
+    config.json holds them (json cannot write the objects: saving a model so configured failed); any other value as
+    it is."""
+    if isinstance(overrides, dict):
+        return {key: {name: section_mapping(name, value) if isinstance(value, FileConfig) else value
+                      for name, value in fields_.items()} if isinstance(fields_, dict) else fields_
+                for key, fields_ in overrides.items()}
     if not isinstance(overrides, str):
         return overrides
     try:
