@@ -227,8 +227,8 @@ def layout_from_kept(meta: TokenMeta, cfg: SparseAttentionConfig, segments: list
     for row, row_segs in enumerate(segments):
         for sg in row_segs:
             dense_tokens[row, sg.q_lo : sg.q_hi] = False
-    columns = cfg.budget.most_kept("columns")  # every segment's budget and sinks
-    bound = max((columns + cfg.sink_tokens) * len(row_segs) for row_segs in segments)
+    columns = cfg.budget.most_kept("columns")  # every segment's budget and sinks (None: any number, counted)
+    bound = None if columns is None else max((columns + cfg.sink_tokens) * len(row_segs) for row_segs in segments)
     diagonals, diagonal_start = segment_diagonals(keep_s, meta, segments, cfg.block_size)
     if cfg.estimation == "last_queries":  # one set, read by every query block
         verticals, vertical_set = keep_v[:, :, 0], None

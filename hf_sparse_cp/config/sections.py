@@ -76,9 +76,41 @@ def _registered() -> dict[str, type[BudgetSection]]:
 
 
 def register_budget(cls: type[BudgetSection]) -> type[BudgetSection]:
-    """Register a budget mode under `cls.mode` (a class decorator)."""
+    """Register a budget mode under `cls.mode` (a class decorator, above `@dataclass`): a dataclass subclass of
+    `hf_sparse_cp.attention.budgets.Budget` that implements its abstract methods, whose fields are its own. A mode
+    name registered to another class is refused (registering the same class again does nothing), so that neither
+    a built-in mode nor a plug-in's is replaced by accident (a class redefined under its name, a notebook's cell
+    run again, replaces its earlier self)."""
+    _check_budget_class(cls)
+    held = _BUDGETS.get(cls.mode)
+    if held is not None and _name_of(held) != _name_of(cls):
+        raise ValueError(f"budget mode {cls.mode!r} is already registered ({_name_of(held)}); "
+                         f"give {cls.__qualname__} another `mode`.")
     _BUDGETS[cls.mode] = cls
     return cls
+
+
+def _name_of(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _check_budget_class(cls: Any) -> None:
+    """Raise TypeError / ValueError, naming the fix, unless `cls` can be registered as a budget mode."""
+    fix = ("subclass hf_sparse_cp.attention.budgets.Budget, decorate the class with @dataclass, set its `mode`, "
+           "implement most_kept, select and describe, and put @register_budget above @dataclass")
+    if not isinstance(cls, type) or not issubclass(cls, BudgetSection) or not dataclasses.is_dataclass(cls):
+        raise TypeError(f"register_budget takes a budget mode's dataclass, not {cls!r}: {fix}.")
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        raise TypeError(f"budget mode {cls.__qualname__} does not implement {', '.join(missing)}: {fix}.")
+    mode = getattr(cls, "mode", None)
+    if not isinstance(mode, str) or not mode:
+        raise ValueError(f"budget mode {cls.__qualname__} has no `mode` (a class attribute, the budget_mode value "
+                         f"that selects it): {fix}.")
+    taken = {"mode", *field_names(Scoring)} & set(field_names(cls))
+    if taken:
+        raise ValueError(f"budget mode {mode!r} has a field named {sorted(taken)[0]!r}, which is the budget section's "
+                         "mode or a scoring field (their flat keys are one set): rename it.")
 
 
 def budget_modes() -> tuple[str, ...]:
@@ -211,7 +243,14 @@ def given_sections(budget: BudgetSection, scoring: Scoring) -> dict[str, Any]:
 
 
 def parsed_overrides(overrides: Any) -> Any:
-    """`layer_overrides` given as JSON text, parsed (None for blank text); any other value as it is."""
+    """`layer_overrides` given as JSON text, parsed (None for blank text); a mapping with its layers' section objects
+    (`budget=TopK(...)`, `scoring=Scoring(...)`) as the mappings of what they hold (`section_mapping`), as a saved
+    config.json holds them (json cannot write the objects: saving a model so configured failed); any other value as
+    it is."""
+    if isinstance(overrides, dict):
+        return {key: {name: section_mapping(name, value) if isinstance(value, FileConfig) else value
+                      for name, value in fields_.items()} if isinstance(fields_, dict) else fields_
+                for key, fields_ in overrides.items()}
     if not isinstance(overrides, str):
         return overrides
     try:

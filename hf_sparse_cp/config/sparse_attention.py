@@ -160,7 +160,8 @@ class SparseAttentionConfig(FileConfig):
         default=None,
         metadata={"help": "Per-layer field overrides as a mapping (or its JSON text) from a layer index or an "
                   "inclusive range 'a-b' to fields, e.g. '{\"0-1\": {\"pattern\": \"dense\"}, \"27\": "
-                  "{\"budget_mode\": \"topk\", \"slash_topk\": 4096}}'."},
+                  "{\"budget_mode\": \"topk\", \"slash_topk\": 4096}}'. Where keys overlap, the narrower one's "
+                  "fields win (a layer's own key over a range's), whatever their order."},
     )
 
     def __init__(self, **values: Any) -> None:
@@ -221,6 +222,16 @@ class SparseAttentionConfig(FileConfig):
                 raise ValueError(f"layer_overrides[{key!r}]: {e}") from None
             parsed.append((first, last, fields_))
         return parsed
+
+    def _overrides_by_precedence(self) -> list[tuple[int, int, dict[str, Any]]]:
+        """The overrides (`_parsed_overrides`) in the order `for_layer` applies them: the widest range first, so that
+        where keys overlap a narrower one's fields win (a layer's own key over a range's), of two as wide the one
+        that starts later. Not the mapping's order: a saved config.json holds its keys sorted (transformers writes
+        them so), and a layer given a range and its own key ran one pattern in training and another once saved and
+        loaded ('2-11' then '10' applied '10' last, loaded '10' then '2-11')."""
+        keyed = sorted(zip(map(str, self.layer_overrides or {}), self._parsed_overrides()),
+                       key=lambda item: (item[1][0] - item[1][1], item[1][0], item[0]))
+        return [override for _, override in keyed]
 
     def check_layers(self, n_layers: int) -> None:
         """Raise ValueError, naming the model's layer count, when a `layer_overrides` key reaches past its layers."""
@@ -311,7 +322,7 @@ class SparseAttentionConfig(FileConfig):
         changes: dict[str, Any] = {}
         if layer_idx < self.dense_first_layers:
             changes["pattern"] = "dense"
-        for first, last, fields_ in self._parsed_overrides():
+        for first, last, fields_ in self._overrides_by_precedence():
             if first <= layer_idx <= last:
                 changes.update(fields_)
         if not changes:
@@ -323,6 +334,20 @@ class SparseAttentionConfig(FileConfig):
         read there: `refuse_unread` looks at every layer's config)."""
         with unread_fields_checked_by_caller():
             return self.replace(layer_overrides=None, dense_first_layers=0, **changes)
+
+    @classmethod
+    def stored_on(cls, holder: Any) -> SparseAttentionConfig | None:
+        """The settings `holder` (a model config) stores (`FileConfig.stored_on`); settings it cannot read are refused
+        naming the fixes: a newer version's keys or a plug-in's budget mode (`register_budget`) cannot be read, a
+        model's settings can be replaced (`configure`)."""
+        try:
+            return super().stored_on(holder)
+        except ValueError as e:
+            raise ValueError(f"{str(e).removesuffix('.')}. The model's config holds settings this installation cannot "
+                             "read: if a newer hf-sparse-cp saved them, upgrade it (a plug-in's budget mode: register "
+                             "it before the model runs); else store settings of your own over them "
+                             f"(hf_sparse_cp.configure(model, SparseAttentionConfig(...))), or remove "
+                             f"{cls.FILE_SECTION!r} from the config.") from None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SparseAttentionConfig:

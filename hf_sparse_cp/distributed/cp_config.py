@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
-from ..config.files import KnownKeywords, check_field_types, checks_unread_fields, setting
+from ..config.files import KnownKeywords, check_field_types, checks_unread_fields, setting, value_text
 from .modes import CPMode, cp_mode_named, cp_modes
 from .split.documents import ATTENTION_RATE_SHARE, PlannerCosts
 
@@ -88,7 +88,9 @@ class ContextParallelConfig(KnownKeywords):
     )
 
     def __post_init__(self) -> None:
-        check_field_types(self)  # (cp_sharding and cp_ring too: their Literal lists the allowed values)
+        # (cp_sharding and cp_ring too: their Literal lists the allowed values; cp_mode's lists the built-in modes for
+        # the flag, and any registered mode is valid here: `_check_mode`)
+        check_field_types(self, [f.name for f in fields(self) if f.name != "cp_mode"])
         if self.cp_size < 1:
             raise ValueError(f"cp_size={self.cp_size} must be >= 1 (1 disables context parallelism).")
         if self.cp_node_size is not None and self.cp_node_size < 1:
@@ -124,6 +126,11 @@ class ContextParallelConfig(KnownKeywords):
 
     def _check_mode(self) -> None:
         """Refuse settings the mode would ignore or cannot run, naming the fix."""
+        names = [mode.name for mode in cp_modes()]
+        if not isinstance(self.cp_mode, str) or self.cp_mode not in names:  # (as `check_field_types` words it)
+            raise ValueError(f"{setting('cp_mode', self.cp_mode)} ({type(self.cp_mode).__name__}) is not valid: use "
+                             f"one of {', '.join(map(value_text, names))} (a mode of your own: "
+                             "hf_sparse_cp.distributed.register_cp_mode(instance) first).")
         if self.cp_ulysses_size is not None and self.cp_ulysses_size < 1:
             raise ValueError(f"cp_ulysses_size={self.cp_ulysses_size} must be >= 1.")
         self.mode.check_flags(self)

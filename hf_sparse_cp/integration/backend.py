@@ -56,6 +56,7 @@ from .composite import tower_refusal
 from .stats import pop_kept_fractions, record_kept_fraction
 
 _LAYER_CONFIG = "_hf_sparse_cp_layer_config"
+_LAYER_REFUSAL = "_hf_sparse_cp_layer_refusal"  # (why the parsed layer config is not its layer's: `parsed_layer`)
 _GUARD_TOKENS = "_hf_sparse_cp_cp_forward"
 
 # The CP shard of the model forward under context parallelism in progress, None outside one (see
@@ -210,11 +211,48 @@ def parsed_layer(module: torch.nn.Module) -> tuple:
     traced call reads these rather than parse them inside the trace."""
     cached = fresh_parsed_layer(module)
     if cached is None:
-        cfg = model_config_for(module).for_layer(getattr(module, "layer_idx", None))
+        model_cfg, layer_idx = model_config_for(module), getattr(module, "layer_idx", None)
+        cfg = model_cfg.for_layer(layer_idx)
         raw = getattr(getattr(module, "config", None), MODEL_CONFIG_ATTRIBUTE, None)
         cached = (raw, cfg, settings_key(cfg), layer_key(module), id(module))
         module.__dict__[_LAYER_CONFIG] = cached
+        module.__dict__[_LAYER_REFUSAL] = None if layer_idx is not None else _layerless_refusal(module, model_cfg)
     return cached
+
+
+def _layerless_refusal(module: torch.nn.Module, model_cfg: SparseAttentionConfig) -> str | None:
+    """Why a module without `layer_idx` cannot run its layer's pattern: the pattern differs between layers
+    (dense_first_layers, layer_overrides), which every such layer would ignore, running the pattern's base; None
+    where every layer runs one pattern."""
+    if len(model_cfg.layer_configs()) == 1:
+        return None
+    return (f"this attention layer ({type(module).__name__}) has no `layer_idx`, which sparse_cp reads to give each "
+            f"layer its pattern: with dense_first_layers={model_cfg.dense_first_layers} and layer_overrides="
+            f"{model_cfg.layer_overrides} every such layer would run the pattern's base settings instead. Set "
+            "self.layer_idx (the layer's index among the decoder layers) in its __init__, as transformers' attention "
+            "layers do, or configure a pattern that is one for every layer (dense_first_layers=0, no "
+            "layer_overrides).")
+
+
+def _configless_refusal(module: torch.nn.Module) -> str | None:
+    """Why a module without `config` cannot run the configured pattern (None where it has one): the pattern is
+    stored on the model's config (`configure`), which the backend reads through the module's."""
+    if getattr(module, "config", None) is not None:
+        return None
+    return (f"this attention layer ({type(module).__name__}) has no `config`, through which sparse_cp reads the "
+            "pattern that hf_sparse_cp.configure stores on the model's config: it would run the default pattern, not "
+            "the one configured. Keep the model's config on the attention module (self.config = config in its "
+            "__init__), as transformers' attention layers do.")
+
+
+def layer_settings_refusal(module: torch.nn.Module) -> str | None:
+    """Why `module`'s calls cannot run its layer's configured pattern (`_configless_refusal`,
+    `_layerless_refusal`), or None. Parses the layer's config where it is not parsed yet (`parsed_layer`)."""
+    refusal = _configless_refusal(module)
+    if refusal is None:
+        parsed_layer(module)
+        refusal = module.__dict__.get(_LAYER_REFUSAL)
+    return refusal
 
 
 def fresh_parsed_layer(module: torch.nn.Module) -> tuple | None:
@@ -244,6 +282,7 @@ def forget_layer_state(model: torch.nn.Module) -> None:
     pop_kept_fractions(model)
     for module in model.modules():
         module.__dict__.pop(_LAYER_CONFIG, None)
+        module.__dict__.pop(_LAYER_REFUSAL, None)
 
 
 # The attributes attention layers copy their config's attention dropout (`architectures.CONFIG_DROPOUTS`) into when
@@ -538,6 +577,9 @@ def _refuse_unsupported(module: torch.nn.Module, dropout: float, softcap, attent
             "not a block-diagonal mask; a 2D mask alone would let them attend to each other), and call "
             "hf_sparse_cp.patch() before building the model."
         )
+    refusal = layer_settings_refusal(module)  # (last: a layer refused above cannot run whatever its settings)
+    if refusal:
+        raise ValueError(refusal)
 
 
 def _refuse_attention_weights(module: torch.nn.Module, kwargs) -> None:
@@ -622,7 +664,8 @@ def _call_outside_graphs(module, query, key, value, attention_mask, dropout, sca
     probe = _PROBE.get()
     if probe is not None:
         unsupported = (unsupported_feature(module, softcap, kwargs, query.shape[1], attention_mask)
-                       or own_keys_refusal(module, query.shape[2], key.shape[2], attention_mask, shard is probe))
+                       or own_keys_refusal(module, query.shape[2], key.shape[2], attention_mask, shard is probe)
+                       or _configless_refusal(module))  # (`_layerless_refusal` needs the pattern: at the call)
         probe.calls.append(ProbedCall(module, shard is probe, None if attention_mask is None else attention_mask.dim(),
                                       sliding_window, unsupported))
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None

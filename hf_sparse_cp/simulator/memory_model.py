@@ -388,7 +388,8 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
             width = nqb_global
             basis = f"{nqb_global} blocks: every block of the row (the bound" + (
                 "; the kept-fraction curve measured another pattern)" if s.kept_curve is not None else ")")
-        cols = cfg.budget.most_kept("columns") + cfg.sink_tokens
+        columns = cfg.budget.most_kept("columns")  # (None: a budget that bounds no columns, every key of the row)
+        cols = seq_len if columns is None else columns + cfg.sink_tokens
     elif window is None:
         width, cols = nqb_global, 0  # every causal block, on one shared head
         hq, basis = 1, "dense: every causal block"

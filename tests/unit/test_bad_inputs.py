@@ -730,6 +730,38 @@ def test_a_saved_model_whose_sparse_attention_key_is_not_a_mapping_is_named(tmp_
         SparseAttentionConfig.from_file(path)
 
 
+@pytest.mark.parametrize("change", ["key", "mode"])
+def test_a_saved_model_with_settings_of_a_newer_version_names_the_fixes(tmp_path, change):
+    """A saved model whose settings hold a key or a budget mode this installation does not know (a newer version's, a
+    plug-in's not registered) failed its first forward naming the key alone (#50): the refusal says to upgrade, to
+    register the plug-in or to store settings over them, which then run."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_sparse_cp
+    from hf_sparse_cp import SparseAttentionConfig
+
+    hf_sparse_cp.patch()
+    model = _tiny()
+    hf_sparse_cp.configure(model)
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    saved = json.loads(path.read_text())
+    if change == "key":
+        saved["sparse_attention"]["new_knob"] = 3
+    else:
+        saved["sparse_attention"]["budget"] = {"mode": "newer_mode"}
+    path.write_text(json.dumps(saved))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sparse_cp")
+    ids = torch.randint(3, 200, (1, 16))
+    with pytest.raises(ValueError, match=r"(new_knob|newer_mode).*if a newer hf-sparse-cp saved them, upgrade it \(a "
+                                         r"plug-in's budget mode: register it.*hf_sparse_cp.configure\(model, "
+                                         r"SparseAttentionConfig\(...\)\)\), or remove 'sparse_attention'"):
+        loaded(input_ids=ids)
+    hf_sparse_cp.configure(loaded, SparseAttentionConfig())
+    loaded(input_ids=ids)
+
+
 @pytest.mark.parametrize("key, fix", [("5-10", "use keys within 0-1"), ("7", "use keys within 0-1"),
                                       ("1-3", "use '1-1'")])
 def test_a_layer_override_past_the_models_layers_is_refused_naming_the_layer_count(key, fix):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.attention.budgets import Entries, Mass, TopK, TopP
+from hf_sparse_cp.attention.budgets import Budget, Entries, Mass, TopK, TopP
 from hf_sparse_cp.attention.budgets.naive import naive_select
 from hf_sparse_cp.attention.estimate import select_vertical_slash
 from hf_sparse_cp.config.sections import budget_class, budget_field_names, budget_modes
@@ -139,3 +139,108 @@ def test_the_registry_holds_the_built_in_modes_whatever_was_imported_first(monke
         monkeypatch.delitem(sys.modules, name)
     assert sections.budget_modes() == ("topk", "topp", "mass")
     assert sections.default_budget().mode == sections.DEFAULT_MODE
+
+
+@dataclasses.dataclass
+class _AboveShare(Budget):
+    """A plug-in mode that bounds nothing: every entry holding more than 1/8 of its row's mass."""
+
+    mode = "above_share"
+
+    def most_kept(self, kind):
+        return None
+
+    def select(self, columns, diagonals, start, end, scored_end, block_size):
+        def above(entries):
+            total = entries.scores.sum(-1, keepdim=True) if entries.total is None else entries.total
+            return entries.scores * 8 > total
+
+        return above(columns), above(diagonals)
+
+    def describe(self):
+        return "above 1/8 of the mass"
+
+
+@dataclasses.dataclass
+class _AboveShareBounded(_AboveShare):
+    """The same selection, with a bound it never reaches."""
+
+    mode = "above_share_bounded"
+
+    def most_kept(self, kind):
+        return 1 << 20
+
+
+def test_a_mode_that_bounds_no_columns_runs(monkeypatch):
+    """`most_kept` may say None (any number), as its docstring says: the layout's column bound, the document
+    planner's row width and the memory model's columns took it as a number (TypeError at the first forward, #50).
+    The layout equals that of the same selection under a bound it never reaches."""
+    from hf_sparse_cp.attention.sequence import sequence_attention
+    from hf_sparse_cp.attention.tokens import TokenMeta
+    from hf_sparse_cp.config import sections
+    from hf_sparse_cp.distributed.split.documents import kept_blocks_per_row
+    from hf_sparse_cp.simulator.memory_model import PRESETS, StepSettings, predict_step_memory
+
+    monkeypatch.setattr(sections, "_BUDGETS", dict(sections._registered()))
+    for cls in (_AboveShare, _AboveShareBounded):
+        sections.register_budget(cls)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 150, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    meta = TokenMeta.from_segments(torch.zeros(1, 150, dtype=torch.int32))
+    outs = []
+    for budget in (_AboveShare(), _AboveShareBounded()):
+        cfg = SparseAttentionConfig(budget=budget, block_size=BS, min_seq_len=0, sink_tokens=2, local_window=4,
+                                    last_q=16, attention_engine="reference")
+        outs.append(sequence_attention(q, k, v, meta, cfg))
+    assert torch.equal(outs[0][0], outs[1][0]) and float(outs[0][1]) == float(outs[1][1]) < 1.0
+    unbounded = SparseAttentionConfig(budget=_AboveShare())
+    assert kept_blocks_per_row(unbounded) is None
+    assert predict_step_memory(PRESETS["qwen2.5-3b"], 1 << 16, StepSettings(pattern=unbounded)).peak_bytes > 0
+
+
+def test_the_registry_refuses_what_it_cannot_run(monkeypatch):
+    """A plug-in mode without a method of the interface failed at its first forward with a bare
+    NotImplementedError, one under a taken name replaced that mode silently (a built-in one too), and one without
+    `mode` or @dataclass failed with AttributeError / TypeError of the registry's internals (#50): each is refused
+    when registered, naming the fix. Registering a class again, or its redefinition (a notebook's cell run again),
+    is not a conflict."""
+    from hf_sparse_cp.attention.budgets import Budget as Base
+    from hf_sparse_cp.config import sections
+
+    monkeypatch.setattr(sections, "_BUDGETS", dict(sections._registered()))
+
+    @dataclasses.dataclass
+    class NoSelect(Base):
+        mode = "no_select"
+
+        def most_kept(self, kind):
+            return 1
+
+    with pytest.raises(TypeError, match="NoSelect does not implement describe, select: subclass"):
+        sections.register_budget(NoSelect)
+    with pytest.raises(TypeError, match="with abstract methods describe, select"):
+        SparseAttentionConfig(budget=NoSelect())
+
+    @dataclasses.dataclass
+    class Shadow(TopK):
+        """Inherits TopK's mode."""
+
+    with pytest.raises(ValueError, match=r"budget mode 'topk' is already registered \(hf_sparse_cp.attention.budgets."
+                                         r"ranked.TopK\); give .*Shadow another `mode`"):
+        sections.register_budget(Shadow)
+    assert sections.budget_class("topk") is TopK and sections.register_budget(TopK) is TopK
+
+    for bad, error, match in (
+            (TopK(), TypeError, "takes a budget mode's dataclass, not TopK"),
+            (dataclasses.make_dataclass("NoMode", [], bases=(_AboveShare,), namespace={"mode": None}), ValueError,
+             "NoMode has no `mode`"),
+            (dataclasses.make_dataclass("Scored", [("last_q", int, 3)], bases=(_AboveShare,),
+                                        namespace={"mode": "scored"}), ValueError,
+             "field named 'last_q', which is the budget section's mode or a scoring field")):
+        with pytest.raises(error, match=match):
+            sections.register_budget(bad)
+    again = dataclasses.make_dataclass("_AboveShare", [], bases=(Base,), namespace={
+        "mode": "above_share", "__module__": __name__, "__qualname__": "_AboveShare",
+        **{name: getattr(_AboveShare, name) for name in ("most_kept", "select", "describe")}})
+    sections.register_budget(_AboveShare)
+    assert sections.register_budget(again) is again and sections.budget_class("above_share") is again

@@ -231,6 +231,40 @@ def test_per_layer_overrides():
     assert cfg.layer_configs() == [cfg.for_layer(i) for i in (0, 2, 3, 9)]
 
 
+def test_overlapping_overrides_run_the_same_pattern_once_saved_and_loaded():
+    """Where layer_overrides keys overlap, the narrower one's fields win whatever the mapping's order: applied in
+    that order, a layer given a range and its own key ('2-11' then '10') ran its own key's pattern in training and
+    the range's once the model was saved and loaded, as config.json holds its keys sorted ('10' before '2-11', #50)."""
+    from transformers import LlamaConfig
+
+    overrides = {"2-11": {"pattern": "dense", "sink_tokens": 8}, "10": {"pattern": "vertical_slash"},
+                 "0-3": {"sink_tokens": 4}}
+    cfg = SparseAttentionConfig(dense_first_layers=0, layer_overrides=overrides)
+    model_config = LlamaConfig(num_hidden_layers=12, sparse_attention=cfg.to_dict())
+    saved = json.loads(model_config.to_json_string())["sparse_attention"]
+    assert list(saved["layer_overrides"]) == ["0-3", "10", "2-11"]  # (what transformers writes)
+    loaded = SparseAttentionConfig.from_dict(saved)
+    want = [("vertical_slash", 4), ("vertical_slash", 4), ("dense", 4), ("dense", 4), *[("dense", 8)] * 6,
+            ("vertical_slash", 8), ("dense", 8)]
+    for config in (cfg, loaded):
+        assert [(config.for_layer(i).pattern, config.for_layer(i).sink_tokens) for i in range(12)] == want
+
+
+def test_section_objects_in_layer_overrides_save_with_the_model():
+    """A layer's budget or scoring given as a section object, as the config's own (`budget=TopK(...)`), was kept as
+    the object: the model's config.json could not be written (TypeError: Object of type TopK is not JSON
+    serializable, at the first checkpoint, #50). They are kept as the mappings they stand for, which load as they
+    ran."""
+    from transformers import LlamaConfig
+
+    cfg = SparseAttentionConfig(layer_overrides={"1": {"budget": TopK(vertical_topk=3)},
+                                                 "2-3": {"scoring": Scoring(last_q=8)}})
+    model_config = LlamaConfig(num_hidden_layers=4, sparse_attention=cfg.to_dict())
+    loaded = SparseAttentionConfig.from_dict(json.loads(model_config.to_json_string())["sparse_attention"])
+    assert loaded == cfg and [loaded.for_layer(i) for i in range(4)] == [cfg.for_layer(i) for i in range(4)]
+    assert cfg.for_layer(1).budget == TopK(vertical_topk=3) and cfg.for_layer(3).scoring == Scoring(8, 0, 16)
+
+
 def test_a_config_says_which_flat_keys_its_layers_read():
     """What the arguments refuse when no layer of a run reads a flag given (issue #50): a budget or scoring key on a
     dense pattern, estimation_chunk without causal-chunk estimation; other keys always."""

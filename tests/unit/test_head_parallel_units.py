@@ -182,3 +182,33 @@ def test_layers_of_another_block_size_are_refused_where_a_ring_splits_the_sequen
     dense = SparseAttentionConfig(block_size=64, layer_overrides={"1": {"pattern": "dense"}})
     config.sparse_attention = dense.to_dict()
     layout.check_model(config)  # (other fields may differ by layer)
+
+
+def test_a_registered_cp_mode_is_selectable_and_runs_as_itself(monkeypatch):
+    """A mode registered with `register_cp_mode` is a valid `cp_mode` (the config's Literal listed the built-in modes
+    only), a sequence-split mode of its own is not swapped for the built-in ring, and a registration that would
+    replace a mode, or is not a `CPMode`, is refused naming the fix (#50: both were silent)."""
+    from hf_sparse_cp.distributed import cp_mode_named, register_cp_mode
+    from hf_sparse_cp.distributed.modes import base
+    from hf_sparse_cp.distributed.modes.ring import RingMode
+
+    class MyRing(RingMode):
+        name, help = "my_ring", "a plug-in ring"
+
+    monkeypatch.setattr(base, "_MODES", dict(base._MODES))
+    mine = register_cp_mode(MyRing())
+    assert register_cp_mode(mine) is mine  # (the same mode again: nothing changes)
+    config = ContextParallelConfig(cp_size=2, cp_mode="my_ring")
+    assert config.mode is mine and config.mode.resolve(config, 2) == (mine, 1)
+    class Shadow(RingMode):
+        name, help = "ring", "a plug-in under a built-in mode's name"
+
+    with pytest.raises(ValueError, match=r"cp_mode 'ring' is already registered .*ring.RingMode\); give .*Shadow "
+                                         r"another `name`"):
+        register_cp_mode(Shadow())
+    with pytest.raises(TypeError, match="instance of a CPMode subclass"):
+        register_cp_mode(types.SimpleNamespace(name="fake"))
+    with pytest.raises(ValueError, match=r"cp_mode='my_rign' \(str\) is not valid: use one of 'ring', 'ulysses', "
+                                         r"'hybrid', 'my_ring' \(a mode of your own: .*register_cp_mode"):
+        ContextParallelConfig(cp_mode="my_rign")
+    assert cp_mode_named("ring").resolve(config, 2)[0].name == "ring"

@@ -12,6 +12,7 @@ the ranks' candidates selects what one process selects.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import ClassVar, Literal, NamedTuple
 
@@ -37,10 +38,11 @@ class Entries(NamedTuple):
     total: torch.Tensor | None = None
 
 
-class Budget(BudgetSection):
+class Budget(BudgetSection, ABC):
     """A budget mode: its fields (a dataclass) and what it decides. `weighted`: its scores estimate the
     mass of every query of a document (each scoring query weighted by the queries it stands for, see
-    `scoring.Stratum`) rather than summing the scoring queries' mass."""
+    `scoring.Stratum`) rather than summing the scoring queries' mass. A mode implements `most_kept`, `select`
+    and `describe` (abstract: a mode without one is refused when registered or built, naming it)."""
 
     weighted: ClassVar[bool] = False
 
@@ -66,9 +68,11 @@ class Budget(BudgetSection):
         sums = self.diagonal_sums(slash, block_size)
         return sums if step == 1 else sums / step
 
+    @abstractmethod
     def most_kept(self, kind: Kind) -> int | None:
-        """Most entries of `kind` a head keeps in a segment, anchors aside (None: any number)."""
-        raise NotImplementedError
+        """Most entries of `kind` a head keeps in a segment, anchors aside (None: any number). Under context
+        parallelism each rank offers at most this many of its entries (`offered`): a `select` that keeps more
+        would select from fewer candidates than one process does."""
 
     def most_diagonal_blocks(self, block_size: int) -> int | None:
         """Most block diagonals a head's kept diagonals cross in a query block row (None: any number): a
@@ -87,15 +91,15 @@ class Budget(BudgetSection):
         None: their scores."""
         return None
 
+    @abstractmethod
     def select(self, columns: Entries, diagonals: Entries, start: int, end: int, scored_end: int,
                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(bool [h, n] kept columns, bool [h, m] kept diagonals) of the segment whose queries [start, end)
         take the pattern that the queries before `scored_end` scored over its keys from `start`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def describe(self) -> str:
         """One line for the model card."""
-        raise NotImplementedError
 
 
 def rank_order(scores: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -78,13 +78,14 @@ class CPMode(ABC):
 
     def resolve(self, config, cp_size: int) -> tuple[CPMode, int]:
         """(the mode a CP group of `cp_size` ranks runs, its head-group size): one mode per layout, so that a
-        layout is described and computed the same way whatever flags led to it."""
+        layout is described and computed the same way whatever flags led to it (`runs_as`)."""
         heads = 1 if cp_size == 1 else self.head_size(config, cp_size)  # (one rank: nothing to share)
-        if heads == 1:
-            return cp_mode_named("ring"), 1
-        if heads == cp_size:
-            return cp_mode_named("ulysses"), heads
-        return self, heads
+        return self.runs_as(heads, cp_size), heads
+
+    def runs_as(self, head_size: int, cp_size: int) -> CPMode:
+        """The mode that computes this mode's layout of head groups of `head_size` ranks in a CP group of `cp_size`:
+        by default this one (a mode registered by a user runs its own attention whatever its head groups)."""
+        return self
 
     def check_model(self, model_config: Any, head_size: int) -> None:
         """Raise ValueError, naming the numbers, unless a model with `model_config` runs in head groups of
@@ -111,15 +112,34 @@ _MODES: dict[str, CPMode] = {}
 
 
 def register_cp_mode(mode: CPMode) -> CPMode:
-    """Make `mode` selectable as `--cp_mode <mode.name>`."""
-    _MODES[mode.name] = mode
+    """Make `mode` (an instance of a `CPMode` subclass) selectable as `ContextParallelConfig(cp_mode=mode.name)`.
+    A name registered to a mode of another class is refused: the built-in modes, and a plug-in's, cannot be replaced
+    by accident (a class redefined under its name, a notebook's cell run again, replaces its earlier instance)."""
+    if not isinstance(mode, CPMode):
+        raise TypeError(f"register_cp_mode takes an instance of a CPMode subclass (hf_sparse_cp.distributed.CPMode), "
+                        f"not {type(mode).__name__} {mode!r}: subclass CPMode, set its `name` and `help`, implement "
+                        "its abstract methods, and register an instance.")
+    name = getattr(mode, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{type(mode).__name__} has no `name` (a class attribute, the --cp_mode value that selects "
+                         "it): set one before registering it.")
+    held = _MODES.get(name)
+    if held is not None and _class_name(held) != _class_name(mode):
+        raise ValueError(f"cp_mode {name!r} is already registered ({held!r}, {_class_name(held)}); give "
+                         f"{type(mode).__qualname__} another `name`.")
+    _MODES[name] = mode
     return mode
+
+
+def _class_name(mode: CPMode) -> str:
+    return f"{type(mode).__module__}.{type(mode).__qualname__}"
 
 
 def cp_mode_named(name: str) -> CPMode:
     """The registered mode called `name`; ValueError naming the modes otherwise."""
-    if name not in _MODES:
-        raise ValueError(f"cp_mode={name!r} is unknown; use one of {', '.join(map(repr, _MODES))}.")
+    if not isinstance(name, str) or name not in _MODES:  # (a list: `in` a TypeError, unhashable)
+        raise ValueError(f"cp_mode={name!r} is unknown; use one of {', '.join(map(repr, _MODES))} (a mode of your "
+                         "own: register_cp_mode(instance) first).")
     return _MODES[name]
 
 

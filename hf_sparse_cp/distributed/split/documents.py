@@ -110,12 +110,12 @@ class PlannerCosts:
 def kept_blocks_per_row(cfg: SparseAttentionConfig) -> int | None:
     """An upper estimate of the key blocks a query block row of a sparse document lists: the local
     window, the block diagonals its kept diagonals cross and the columns (the budget's most and the
-    sinks); None where the budget bounds no diagonals (every causal block may be kept)."""
+    sinks); None where the budget bounds no diagonals or no columns (every causal block may be kept)."""
     bs, budget = cfg.block_size, cfg.budget
-    diagonals = budget.most_diagonal_blocks(bs)
-    if diagonals is None:
+    diagonals, columns = budget.most_diagonal_blocks(bs), budget.most_kept("columns")
+    if diagonals is None or columns is None:
         return None
-    return 1 + -(-cfg.local_window // bs) + diagonals + -(-(budget.most_kept("columns") + cfg.sink_tokens) // bs)
+    return 1 + -(-cfg.local_window // bs) + diagonals + -(-(columns + cfg.sink_tokens) // bs)
 
 
 @dataclass(frozen=True, eq=False)
