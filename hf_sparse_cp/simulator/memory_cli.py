@@ -49,7 +49,9 @@ from .memory_model import (
 
 # The answers are lengths of a multiple of this many tokens per rank (the shortest one tried).
 GRANULARITY = 1024
-# The plugin's defaults (`SparseCPArguments`): token tiles from this length on, in tiles of this many tokens.
+# The plugin's defaults (`SparseTrainingArguments`): gradient checkpointing from this length on, token tiles from this
+# one, in tiles of this many tokens.
+DEFAULT_CHECKPOINTING_MIN_LENGTH = 16384
 DEFAULT_TILING_MIN_LENGTH = 32768
 DEFAULT_TILE_TOKENS = MemorySavers().tile_tokens
 _UNITS = {"": 10**9, "gb": 10**9, "gib": 2**30, "mb": 10**6, "mib": 2**20, "tb": 10**12, "tib": 2**40}
@@ -89,7 +91,8 @@ def _gb(n: float) -> str:
 
 
 def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
-    p = FlagParser(prog=prog, description=__doc__, formatter_class=HelpFormatter, aliases={"--cp_size": "--cp"})
+    aliases = {"--cp_size": "--cp", "--sparse_gradient_checkpointing_min_length": "--gradient-checkpointing-min-length"}
+    p = FlagParser(prog=prog, description=__doc__, formatter_class=HelpFormatter, aliases=aliases)
     add_model_arguments(p, PRESETS, default=None)
     p.add_argument("--gpu-memory", default="80GB",
                    help="Memory of one GPU (any GPU): 80GB, 80GiB, 40GB, 141GB, or 'auto' (CUDA device 0).")
@@ -121,6 +124,11 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
                    help="With --optimizer smet: SMET's active fraction of the layer matrices (--smet_density).")
     p.add_argument("--loss-backend", default="torch", choices=("torch", "liger"),
                    help="The lean loss: chunked PyTorch (default) or liger-kernel's (when installed).")
+    p.add_argument("--gradient-checkpointing-min-length", type=at_least(0), default=DEFAULT_CHECKPOINTING_MIN_LENGTH,
+                   help="Gradient checkpointing from this length on, as the plugin's "
+                   "--sparse_gradient_checkpointing_min_length (which is taken too): shorter sequences keep every "
+                   "layer's activations to its backward; 1: every length (the Trainer's --gradient_checkpointing), "
+                   "0: none.")
     p.add_argument("--token-tiling-min-length", type=at_least(0), default=DEFAULT_TILING_MIN_LENGTH,
                    help="MLPs and RMSNorms in token tiles from this length on, as the plugin's "
                    "--sparse_token_tiling_min_length (0: never).")
@@ -167,9 +175,28 @@ def settings_for_length(args, arch: Architecture) -> callable:
         tiled = arch.token_tiles and bool(args.token_tiling_min_length) and seq_len >= args.token_tiling_min_length
         savers = MemorySavers(tiled=tiled, tile_tokens=args.token_tile_size,
                               offload_layer_inputs=args.offload_layer_inputs)
-        return dataclasses.replace(base, savers=savers)
+        checkpointing = _checkpointed(args, seq_len)
+        return dataclasses.replace(base, savers=savers, gradient_checkpointing=checkpointing)
 
     return settings
+
+
+def _checkpointed(args, seq_len: int) -> bool:
+    """Whether training checkpoints sequences of `seq_len` tokens (--gradient-checkpointing-min-length; 0: never)."""
+    return bool(args.gradient_checkpointing_min_length) and seq_len >= args.gradient_checkpointing_min_length
+
+
+def longest_length(args, arch: Architecture, budget: float) -> int:
+    """`longest_fitting_length` under the settings training picks at each length. Gradient checkpointing, on from
+    --gradient-checkpointing-min-length, lowers the peak at that length (#50: the search stopped at the first length
+    below it whose activations did not fit): the longest checkpointed length when that length fits checkpointed,
+    else the longest of the shorter ones, each range's peak growing with the length."""
+    settings = settings_for_length(args, arch)
+    checkpointed = lambda n: dataclasses.replace(settings(n), gradient_checkpointing=True)  # noqa: E731
+    longest = longest_fitting_length(arch, budget, checkpointed, granularity=GRANULARITY, limit=SEARCH_LIMIT)
+    if _checkpointed(args, longest):
+        return longest
+    return longest_fitting_length(arch, budget, settings, granularity=GRANULARITY, limit=SEARCH_LIMIT)
 
 
 def given_flags(argv: list[str] | None, prog: str) -> set[str]:
@@ -243,9 +270,8 @@ def predict(args: argparse.Namespace, capacity: float, arch: Architecture | None
     arch = architecture(args) if arch is None else arch
     settings = settings_for_length(args, arch)
     budget = args.usable_fraction * capacity
-    longest = longest_fitting_length(arch, budget, settings, granularity=GRANULARITY, limit=SEARCH_LIMIT)
-    margin = longest_fitting_length(arch, budget / MEASURED_BAND[1], settings, granularity=GRANULARITY,
-                                    limit=SEARCH_LIMIT)
+    longest = longest_length(args, arch, budget)
+    margin = longest_length(args, arch, budget / MEASURED_BAND[1])
     report = {"model": model_name(args), "parameters": arch.params, "gpu_memory_bytes": capacity,
               "usable_bytes": budget,
               "settings": {k: v for k, v in vars(args).items() if k not in ("json", "quiet", "seq_len")},
@@ -254,7 +280,8 @@ def predict(args: argparse.Namespace, capacity: float, arch: Architecture | None
     for n in sorted({*args.seq_len, *([longest] if longest else [])}):
         est = predict_step_memory(arch, n, settings(n))
         report["lengths"][n] = {**est.to_dict(), "fits": est.peak_bytes <= budget,
-                                "terms_bytes": est.terms(), "token_tiles": settings(n).savers.tiled}
+                                "terms_bytes": est.terms(), "token_tiles": settings(n).savers.tiled,
+                                "gradient_checkpointing": settings(n).gradient_checkpointing}
     return report
 
 
@@ -291,6 +318,14 @@ def _none_at_band_top(args: argparse.Namespace, arch: Architecture, budget: floa
     shortest, est, fix = _shortest_fix(args, arch)
     return (f"not even {shortest:,} tokens, the shortest length tried (its peak, {_gb(est.peak_bytes)}, is "
             f"{_gb(est.peak_bytes * MEASURED_BAND[1])} at the band's top, over the {_gb(budget)} usable; {fix})")
+
+
+def _unchecked(fits: bool) -> str:
+    """A length's note where training runs it without gradient checkpointing (below
+    --gradient-checkpointing-min-length), with the fix where it does not fit."""
+    fix = ": the Trainer's --gradient_checkpointing (or --sparse_gradient_checkpointing_min_length at most this " \
+        "length) turns it on"
+    return ", no gradient checkpointing" + ("" if fits else fix)
 
 
 def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> dict:
@@ -353,6 +388,7 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
     for n, r in report["lengths"].items():
         terms = ", ".join(f"{t} {_gb(b)}" for t, b in list(r["terms_bytes"].items())[:5])
         print(f"  {n:,} tokens: peak {_gb(r['peak_gib'] * GIB)} in {r['peak_phase']} "
-              f"({'fits' if r['fits'] else 'does not fit'}{', token tiles' if r['token_tiles'] else ''}); "
+              f"({'fits' if r['fits'] else 'does not fit'}{', token tiles' if r['token_tiles'] else ''}"
+              f"{'' if r['gradient_checkpointing'] else _unchecked(r['fits'])}); "
               f"largest terms: {terms}; layout rows {r['layout_width']}")
     return report
