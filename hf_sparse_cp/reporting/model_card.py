@@ -308,10 +308,13 @@ def _results(log_history: list[dict], first_step: int = 0) -> list[str]:
     train = [log for log in log_history if "loss" in log]
     evals = [log for log in log_history if "eval_loss" in log]
     final = next((log for log in reversed(log_history) if "train_loss" in log), None)
-    if not train and not evals:
+    if not train and not evals and final is None:
         return ["Not logged (the card was written before the first logging step)."]
+    # (#50: a run that ended before its first logging step was said to have a card written before it, its final loss
+    # left out)
     lines = ["| step | epoch | training loss |", "|---|---|---|",
-             *(f"| {log['step']} | {log.get('epoch', 0):.3g} | {log['loss']:.4f} |" for log in train)]
+             *(f"| {log['step']} | {log.get('epoch', 0):.3g} | {log['loss']:.4f} |" for log in train)] if train else \
+        ["No step's loss logged (the run ended before its first logging step, --logging_steps)."]
     if final is not None:
         steps = f"step {final['step']}" if final["step"] == first_step + 1 else \
             f"steps {first_step + 1}-{final['step']}"
@@ -575,7 +578,10 @@ def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | 
                   *(f"| {layer} | {value:.3f} |" for layer, value in means.items()), "",
                   _draw_plot(trainer, output_dir), ""]
     else:
-        lines += ["Not logged (sparsity logging is `--sparse_log_sparsity`, added by `attach_to_trainer`).", ""]
+        # (#50: a plot an earlier run's card drew in this folder stayed beside this card, and went to the Hub with it)
+        (output_dir / KEPT_FRACTION_PLOT).unlink(missing_ok=True)
+        lines += ["None: dense attention computes every block (a kept fraction of 1.0)." if sparse is None else
+                  "Not logged (sparsity logging is `--sparse_log_sparsity`, added by `attach_to_trainer`).", ""]
 
     if sparse is not None:
         saved = ("not saved with the adapter: it has no config.json; this card holds it" if _peft_model(trainer)

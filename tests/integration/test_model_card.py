@@ -660,3 +660,30 @@ def test_the_card_of_a_sequence_classifier_loads_it_with_its_head(tmp_path, lora
     assert model.state_dict().keys() == trained.keys()
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, trained[name], msg=name)
+
+
+def test_a_dense_runs_card_keeps_no_plot_an_earlier_sparse_run_drew_in_its_folder(tmp_path):
+    """#50: `hf-sparse-cp train` into a folder a sparse run had written, with --no_sparse_attention: the card left the
+    earlier run's sparse_kept_fraction.png beside it (push_to_hub uploads it), and said the kept fraction was "Not
+    logged", naming the logging flag, for a run that had no sparse attention to log; a run that ended before its
+    first logging step (logging_steps 500) was said to have its card "written before the first logging step", its final
+    loss (the Trainer's mean over the run) left out."""
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    (output_dir / KEPT_FRACTION_PLOT).write_bytes(b"an earlier sparse run's plot")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 200, (2, 160)).unbind()]
+    args = SparseTrainingArguments(output_dir=str(output_dir), max_steps=1, per_device_train_batch_size=2,
+                                   report_to="none", save_strategy="no", use_cpu=True, sparse_attention=False)
+    trainer = SparseTrainer(model=model, args=args, train_dataset=rows, data_collator=default_data_collator)
+    trainer.train()
+    trainer.save_model()  # writes the card
+    card = (output_dir / "README.md").read_text()
+    assert not (output_dir / KEPT_FRACTION_PLOT).exists()
+    assert "None: dense attention computes every block (a kept fraction of 1.0)." in card and "Not logged" not in card
+    final = trainer.state.log_history[-1]["train_loss"]
+    assert "No step's loss logged (the run ended before its first logging step, --logging_steps)." in card
+    assert f"Final training loss (mean over the run): **{final:.4f}** after 1 steps." in card
