@@ -477,6 +477,8 @@ class _Step:
         self.tape = _Tape(self.t)
         self.a = DTYPE_BYTES[s.dtype]
         self.w = 4 if s.master_weights else self.a
+        # autocast's lower-precision copies of the fp32 weights (#50: counted for fp32 compute too, which has none)
+        self.autocast = s.master_weights and self.a < 4
         self.h, self.i = sh.hidden, sh.intermediate
         self.q, self.kv = sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim
         # RMSNorm computes in fp32: a copy of its input unless that is fp32 already
@@ -790,7 +792,7 @@ class _Step:
         tape.alloc("rotary cos/sin", per_token=2 * arch.shape.head_dim * a)
         checkpointing = s.gradient_checkpointing
         casts = tape.alloc("autocast weight copies", const=n_layers * arch.layer_params * a) \
-            if s.master_weights and checkpointing else None
+            if self.autocast and checkpointing else None
         # without checkpointing: each layer's autocast copies (which its saved tensors hold) and saved tensors, kept
         # to its backward; its input (`floor`) freed by its forward or saved with its first norm's tensors
         layer_casts: list[int | None] = []
@@ -802,7 +804,7 @@ class _Step:
                 floor.append(self.layer_forward())
                 continue
             layer_casts.append(tape.alloc("autocast weight copies", const=arch.layer_params * a)
-                               if s.master_weights else None)
+                               if self.autocast else None)
             saved, out = self.layer_with_grad(floor[-1])
             floor[-1] = None
             layer_saved.append(saved)
@@ -833,7 +835,7 @@ class _Step:
             self.layer, self.window = layer, self.windows[layer]
             if checkpointing:
                 copied = tape.alloc("saved layer inputs", per_token=a * h) if self.offload else None
-                cast = tape.alloc("autocast weight copies", const=arch.layer_params * a) if s.master_weights else None
+                cast = tape.alloc("autocast weight copies", const=arch.layer_params * a) if self.autocast else None
                 saved = self.layer_recompute()
             else:
                 copied, cast, saved = None, layer_casts[layer], layer_saved[layer]

@@ -998,3 +998,18 @@ def test_the_memory_command_predicts_lengths_below_the_checkpointing_threshold_w
     assert re.search(r"8,192 tokens: peak 9\.9 GB in optimizer \(fits\)", capsys.readouterr().out)
     assert cli_main([*argv, "--gradient-checkpointing-min-length", "0", "--quiet"]) == 0
     assert int(capsys.readouterr().out) == 2048
+
+
+def test_float32_compute_holds_no_autocast_copies_whatever_master_weights_says(capsys):
+    """Issue #50: `memory --dtype float32` (a Trainer without --bf16/--fp16; --master-weights is the default) counted
+    autocast's copies of every layer's weights (1.4 GB of Qwen2.5-0.5B in forward) and was described as "fp32 weights
+    + float32 autocast (the Trainer's mixed precision)": fp32 compute runs no autocast."""
+    arch = PRESETS["qwen2.5-0.5b"]
+    master, plain = (predict_step_memory(arch, 65536, StepSettings(dtype="float32", master_weights=m))
+                     for m in (True, False))
+    assert {p: v["bytes"] for p, v in master.phases.items()} == {p: v["bytes"] for p, v in plain.phases.items()}
+    assert "autocast weight copies" not in master.terms("forward")
+    assert "autocast weight copies" in predict_step_memory(arch, 65536, StepSettings(master_weights=True)).terms(
+        "forward")
+    assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--dtype", "float32", "--seq-len", "65536"]) == 0
+    assert "all float32 (a model loaded in float32)" in capsys.readouterr().out
