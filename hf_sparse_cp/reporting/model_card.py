@@ -39,6 +39,7 @@ import yaml
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import DataCollatorWithFlattening, Trainer
+from transformers.trainer_utils import get_last_checkpoint
 
 from ..backends import PLOT_EXTRA
 from ..config import SparseAttentionConfig
@@ -347,6 +348,25 @@ def _model_name(trainer: Trainer) -> str:
     return getattr(trainer, "hub_model_id", None) or trainer.args.output_dir
 
 
+# Files that mark a model saved in a folder: a whole model's config, a PEFT adapter's.
+SAVED_MODEL_FILES = ("config.json", "adapter_config.json")
+
+
+def _load_from(trainer: Trainer, output_dir: Path) -> tuple[str, list[str]]:
+    """Where the quick start loads the model from (`_model_name`), and a note where the output folder holds no saved
+    model (#50: `hf-sparse-cp train` without --save_final_model wrote a card whose quick start loaded a folder holding
+    none): its last checkpoint where there is one, else the folder, saying that nothing is saved there yet."""
+    name = _model_name(trainer)
+    if name != trainer.args.output_dir or any((output_dir / file).is_file() for file in SAVED_MODEL_FILES):
+        return name, []
+    checkpoint = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
+    if checkpoint is not None:
+        return checkpoint, [f"No final model is saved in `{output_dir}`: the code below loads its last checkpoint, "
+                            f"`{Path(checkpoint).name}`.", ""]
+    return name, [f"No model was saved in `{output_dir}` when this card was written: `Trainer.save_model()` writes it "
+                  "there (`hf-sparse-cp train`: --save_final_model).", ""]
+
+
 def _peft_model(trainer: Trainer) -> Any:
     """The trained PEFT model (the Trainer then saves only its adapter: adapter_config.json and the adapter's
     weights, no config.json), or None. A model is a PEFT model only where `peft` was imported."""
@@ -418,10 +438,11 @@ def _load_base(base: str | None, loader: _Loader, extra: str = "") -> str:
 
 
 def _adapter_quick_start(trainer: Trainer, peft_model: Any, sparse: SparseAttentionConfig | None,
-                         tokenizer: str | None) -> list[str]:
-    """How to load a PEFT adapter onto its base model (the one adapter_config.json names, or the user's when it
-    names none: a base model built from a config) and generate, and how to train on with the sparse pattern."""
-    name, base = _model_name(trainer), peft_model.active_peft_config.base_model_name_or_path
+                         tokenizer: str | None, name: str) -> list[str]:
+    """How to load a PEFT adapter (saved in `name`) onto its base model (the one adapter_config.json names, or the
+    user's when it names none: a base model built from a config) and generate, and how to train on with the sparse
+    pattern."""
+    base = peft_model.active_peft_config.base_model_name_or_path
     loader = _loader(peft_model.get_base_model())
     where = f"its base model, `{base}` (named in adapter_config.json)" if base else \
         "the base model it was trained on (adapter_config.json names none)"
@@ -447,13 +468,13 @@ def _adapter_quick_start(trainer: Trainer, peft_model: Any, sparse: SparseAttent
 def _quick_start(trainer: Trainer, sparse: SparseAttentionConfig | None, output_dir: Path) -> list[str]:
     """The card's "Quick start": how to load the saved model (a whole model, or a PEFT adapter onto its base
     model) and generate, and how to train on with the sparse pattern."""
-    name = _model_name(trainer)
+    name, note = _load_from(trainer, output_dir)
     tokenizer = name if _saves_tokenizer(trainer, output_dir) else None
     peft_model = _peft_model(trainer)
     if peft_model is not None:
-        return _adapter_quick_start(trainer, peft_model, sparse, tokenizer)
+        return note + _adapter_quick_start(trainer, peft_model, sparse, tokenizer, name)
     loader = _loader(trainer.accelerator.unwrap_model(trainer.model))
-    lines = [f"The weights are a standard transformers checkpoint: the model loads and {_runs(loader)} without "
+    lines = [*note, f"The weights are a standard transformers checkpoint: the model loads and {_runs(loader)} without "
              "`hf-sparse-cp`, with any attention implementation (e.g. `attn_implementation=\"sdpa\"`):", "",
              "```python", f"from transformers import {_imports(loader.name, tokenizer)}", "",
              f'model = {loader.name}.from_pretrained("{name}")', *_generate_lines(tokenizer, loader.generates),

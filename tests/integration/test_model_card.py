@@ -687,3 +687,22 @@ def test_a_dense_runs_card_keeps_no_plot_an_earlier_sparse_run_drew_in_its_folde
     final = trainer.state.log_history[-1]["train_loss"]
     assert "No step's loss logged (the run ended before its first logging step, --logging_steps)." in card
     assert f"Final training loss (mean over the run): **{final:.4f}** after 1 steps." in card
+
+
+def test_the_quick_start_loads_the_model_where_it_is_saved(smet_run, tmp_path, monkeypatch):
+    """#50: `hf-sparse-cp train` (no --save_final_model) wrote a card whose quick start loaded the output folder, which
+    held no model: it loads the last checkpoint where there is one, and says where nothing is saved yet."""
+    trainer, parallel, _ = smet_run
+    monkeypatch.setattr(trainer.args, "output_dir", str(tmp_path))
+    card = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN).read_text()
+    assert f"No model was saved in `{tmp_path}` when this card was written: `Trainer.save_model()`" in card
+    trainer._save(str(tmp_path / "checkpoint-2"))
+    trainer._save(str(tmp_path / "checkpoint-10"))
+    card = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN).read_text()
+    assert (f"No final model is saved in `{tmp_path}`: the code below loads its last checkpoint, `checkpoint-10`."
+            in card)
+    assert f'AutoModelForCausalLM.from_pretrained("{tmp_path / "checkpoint-10"}")' in card
+    trainer.save_model()
+    card = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN).read_text()
+    assert "No final model" not in card and "No model was saved" not in card
+    assert f'AutoModelForCausalLM.from_pretrained("{tmp_path}")' in card
