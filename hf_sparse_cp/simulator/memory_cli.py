@@ -229,6 +229,10 @@ def _check_read(args, parser: argparse.ArgumentParser, given: set[str], pattern:
         parser.error(f"--token-tile-size {args.token_tile_size} sizes the tiles of --token-tiling-min-length; with "
                      "--token-tiling-min-length 0 (never tiled) it would be ignored: drop it, or give the length to "
                      "tile from.")
+    if args.offload_layer_inputs and not args.gradient_checkpointing_min_length:
+        parser.error("--offload-layer-inputs moves the inputs that gradient checkpointing saves, and training refuses "
+                     "it without checkpointing (--gradient-checkpointing-min-length 0): drop it, or give the length to "
+                     "checkpoint from (1: every length).")
     unread = [f"--kept-curve {args.kept_curve}"] if args.kept_curve else []
     unread += [f"--layout-width {args.layout_width}"] if "layout_width" in given else []
     if unread and pattern.pattern != "dense" and pattern.budget.most_diagonal_blocks(pattern.block_size) is not None:
@@ -326,11 +330,14 @@ def _none_at_band_top(args: argparse.Namespace, arch: Architecture, budget: floa
             f"{_gb(est.peak_bytes * MEASURED_BAND[1])} at the band's top, over the {_gb(budget)} usable; {fix})")
 
 
-def _unchecked(fits: bool) -> str:
+def _unchecked(fits: bool, offload: bool) -> str:
     """A length's note where training runs it without gradient checkpointing (below
-    --gradient-checkpointing-min-length), with the fix where it does not fit."""
+    --gradient-checkpointing-min-length), with the fix where it does not fit or where --offload-layer-inputs, which
+    training refuses without checkpointing, is given."""
     fix = ": the Trainer's --gradient_checkpointing (or --sparse_gradient_checkpointing_min_length at most this " \
         "length) turns it on"
+    if offload:
+        return f", no gradient checkpointing, under which training refuses --sparse_offload_layer_inputs{fix}"
     return ", no gradient checkpointing" + ("" if fits else fix)
 
 
@@ -395,6 +402,6 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
         terms = ", ".join(f"{t} {_gb(b)}" for t, b in list(r["terms_bytes"].items())[:5])
         print(f"  {n:,} tokens: peak {_gb(r['peak_gib'] * GIB)} in {r['peak_phase']} "
               f"({'fits' if r['fits'] else 'does not fit'}{', token tiles' if r['token_tiles'] else ''}"
-              f"{'' if r['gradient_checkpointing'] else _unchecked(r['fits'])}); "
+              f"{'' if r['gradient_checkpointing'] else _unchecked(r['fits'], args.offload_layer_inputs)}); "
               f"largest terms: {terms}; layout rows {r['layout_width']}")
     return report

@@ -998,6 +998,14 @@ def test_the_memory_command_predicts_lengths_below_the_checkpointing_threshold_w
     assert re.search(r"8,192 tokens: peak 9\.9 GB in optimizer \(fits\)", capsys.readouterr().out)
     assert cli_main([*argv, "--gradient-checkpointing-min-length", "0", "--quiet"]) == 0
     assert int(capsys.readouterr().out) == 2048
+    # (training refuses --sparse_offload_layer_inputs without checkpointing)
+    assert cli_main([*argv, "--offload-layer-inputs"]) == 0
+    assert "no gradient checkpointing, under which training refuses --sparse_offload_layer_inputs: the Trainer's " \
+        "--gradient_checkpointing" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli_main([*argv, "--offload-layer-inputs", "--gradient-checkpointing-min-length", "0"])
+    assert "--offload-layer-inputs moves the inputs that gradient checkpointing saves, and training refuses it " \
+        "without checkpointing (--gradient-checkpointing-min-length 0)" in capsys.readouterr().err
 
 
 def test_float32_compute_holds_no_autocast_copies_whatever_master_weights_says(capsys):
