@@ -23,12 +23,15 @@ from ..distributed.split.documents import PlannerCosts
 from ..memory.savers import MemorySavers
 from ..recipes import pattern_path
 from .arguments import (
+    CHECKPOINTING_ALIAS,
     FlagParser,
     HelpFormatter,
+    add_checkpointing_argument,
     add_cp_mode_arguments,
     add_model_arguments,
     at_least,
     check_output_file,
+    checkpointed,
     cp_layout,
     fraction,
     model_name,
@@ -49,9 +52,7 @@ from .memory_model import (
 
 # The answers are lengths of a multiple of this many tokens per rank (the shortest one tried).
 GRANULARITY = 1024
-# The plugin's defaults (`SparseTrainingArguments`): gradient checkpointing from this length on, token tiles from this
-# one, in tiles of this many tokens.
-DEFAULT_CHECKPOINTING_MIN_LENGTH = 16384
+# The plugin's defaults (`SparseCPArguments`): token tiles from this length on, in tiles of this many tokens.
 DEFAULT_TILING_MIN_LENGTH = 32768
 DEFAULT_TILE_TOKENS = MemorySavers().tile_tokens
 _UNITS = {"": 10**9, "gb": 10**9, "gib": 2**30, "mb": 10**6, "mib": 2**20, "tb": 10**12, "tib": 2**40}
@@ -91,7 +92,7 @@ def _gb(n: float) -> str:
 
 
 def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
-    aliases = {"--cp_size": "--cp", "--sparse_gradient_checkpointing_min_length": "--gradient-checkpointing-min-length"}
+    aliases = {"--cp_size": "--cp", **CHECKPOINTING_ALIAS}
     p = FlagParser(prog=prog, description=__doc__, formatter_class=HelpFormatter, aliases=aliases)
     add_model_arguments(p, PRESETS, default=None)
     p.add_argument("--gpu-memory", default="80GB",
@@ -124,11 +125,7 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
                    help="With --optimizer smet: SMET's active fraction of the layer matrices (--smet_density).")
     p.add_argument("--loss-backend", default="torch", choices=("torch", "liger"),
                    help="The lean loss: chunked PyTorch (default) or liger-kernel's (when installed).")
-    p.add_argument("--gradient-checkpointing-min-length", type=at_least(0), default=DEFAULT_CHECKPOINTING_MIN_LENGTH,
-                   help="Gradient checkpointing from this length on, as the plugin's "
-                   "--sparse_gradient_checkpointing_min_length (which is taken too): shorter sequences keep every "
-                   "layer's activations to its backward; 1: every length (the Trainer's --gradient_checkpointing), "
-                   "0: none.")
+    add_checkpointing_argument(p)
     p.add_argument("--token-tiling-min-length", type=at_least(0), default=DEFAULT_TILING_MIN_LENGTH,
                    help="MLPs and RMSNorms in token tiles from this length on, as the plugin's "
                    "--sparse_token_tiling_min_length (0: never).")
@@ -175,15 +172,10 @@ def settings_for_length(args, arch: Architecture) -> callable:
         tiled = arch.token_tiles and bool(args.token_tiling_min_length) and seq_len >= args.token_tiling_min_length
         savers = MemorySavers(tiled=tiled, tile_tokens=args.token_tile_size,
                               offload_layer_inputs=args.offload_layer_inputs)
-        checkpointing = _checkpointed(args, seq_len)
+        checkpointing = checkpointed(args, seq_len)
         return dataclasses.replace(base, savers=savers, gradient_checkpointing=checkpointing)
 
     return settings
-
-
-def _checkpointed(args, seq_len: int) -> bool:
-    """Whether training checkpoints sequences of `seq_len` tokens (--gradient-checkpointing-min-length; 0: never)."""
-    return bool(args.gradient_checkpointing_min_length) and seq_len >= args.gradient_checkpointing_min_length
 
 
 def longest_length(args, arch: Architecture, budget: float) -> int:
@@ -192,9 +184,9 @@ def longest_length(args, arch: Architecture, budget: float) -> int:
     below it whose activations did not fit): the longest checkpointed length when that length fits checkpointed,
     else the longest of the shorter ones, each range's peak growing with the length."""
     settings = settings_for_length(args, arch)
-    checkpointed = lambda n: dataclasses.replace(settings(n), gradient_checkpointing=True)  # noqa: E731
-    longest = longest_fitting_length(arch, budget, checkpointed, granularity=GRANULARITY, limit=SEARCH_LIMIT)
-    if _checkpointed(args, longest):
+    always = lambda n: dataclasses.replace(settings(n), gradient_checkpointing=True)  # noqa: E731
+    longest = longest_fitting_length(arch, budget, always, granularity=GRANULARITY, limit=SEARCH_LIMIT)
+    if checkpointed(args, longest):
         return longest
     return longest_fitting_length(arch, budget, settings, granularity=GRANULARITY, limit=SEARCH_LIMIT)
 
