@@ -39,6 +39,7 @@ import yaml
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import DataCollatorWithFlattening, Trainer
+from transformers.trainer_utils import get_last_checkpoint
 
 from ..backends import PLOT_EXTRA
 from ..config import SparseAttentionConfig
@@ -308,10 +309,13 @@ def _results(log_history: list[dict], first_step: int = 0) -> list[str]:
     train = [log for log in log_history if "loss" in log]
     evals = [log for log in log_history if "eval_loss" in log]
     final = next((log for log in reversed(log_history) if "train_loss" in log), None)
-    if not train and not evals:
+    if not train and not evals and final is None:
         return ["Not logged (the card was written before the first logging step)."]
+    # (#50: a run that ended before its first logging step was said to have a card written before it, its final loss
+    # left out)
     lines = ["| step | epoch | training loss |", "|---|---|---|",
-             *(f"| {log['step']} | {log.get('epoch', 0):.3g} | {log['loss']:.4f} |" for log in train)]
+             *(f"| {log['step']} | {log.get('epoch', 0):.3g} | {log['loss']:.4f} |" for log in train)] if train else \
+        ["No step's loss logged (the run ended before its first logging step, --logging_steps)."]
     if final is not None:
         steps = f"step {final['step']}" if final["step"] == first_step + 1 else \
             f"steps {first_step + 1}-{final['step']}"
@@ -342,6 +346,25 @@ def _model_name(trainer: Trainer) -> str:
     whole id, set once it has created it: `<user>/<output folder's name>` without --hub_model_id), else the output
     folder (also with a --hub_model_id never pushed to)."""
     return getattr(trainer, "hub_model_id", None) or trainer.args.output_dir
+
+
+# Files that mark a model saved in a folder: a whole model's config, a PEFT adapter's.
+SAVED_MODEL_FILES = ("config.json", "adapter_config.json")
+
+
+def _load_from(trainer: Trainer, output_dir: Path) -> tuple[str, list[str]]:
+    """Where the quick start loads the model from (`_model_name`), and a note where the output folder holds no saved
+    model (#50: `hf-sparse-cp train` without --save_final_model wrote a card whose quick start loaded a folder holding
+    none): its last checkpoint where there is one, else the folder, saying that nothing is saved there yet."""
+    name = _model_name(trainer)
+    if name != trainer.args.output_dir or any((output_dir / file).is_file() for file in SAVED_MODEL_FILES):
+        return name, []
+    checkpoint = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
+    if checkpoint is not None:
+        return checkpoint, [f"No final model is saved in `{output_dir}`: the code below loads its last checkpoint, "
+                            f"`{Path(checkpoint).name}`.", ""]
+    return name, [f"No model was saved in `{output_dir}` when this card was written: `Trainer.save_model()` writes it "
+                  "there (`hf-sparse-cp train`: --save_final_model).", ""]
 
 
 def _peft_model(trainer: Trainer) -> Any:
@@ -415,10 +438,11 @@ def _load_base(base: str | None, loader: _Loader, extra: str = "") -> str:
 
 
 def _adapter_quick_start(trainer: Trainer, peft_model: Any, sparse: SparseAttentionConfig | None,
-                         tokenizer: str | None) -> list[str]:
-    """How to load a PEFT adapter onto its base model (the one adapter_config.json names, or the user's when it
-    names none: a base model built from a config) and generate, and how to train on with the sparse pattern."""
-    name, base = _model_name(trainer), peft_model.active_peft_config.base_model_name_or_path
+                         tokenizer: str | None, name: str) -> list[str]:
+    """How to load a PEFT adapter (saved in `name`) onto its base model (the one adapter_config.json names, or the
+    user's when it names none: a base model built from a config) and generate, and how to train on with the sparse
+    pattern."""
+    base = peft_model.active_peft_config.base_model_name_or_path
     loader = _loader(peft_model.get_base_model())
     where = f"its base model, `{base}` (named in adapter_config.json)" if base else \
         "the base model it was trained on (adapter_config.json names none)"
@@ -444,13 +468,13 @@ def _adapter_quick_start(trainer: Trainer, peft_model: Any, sparse: SparseAttent
 def _quick_start(trainer: Trainer, sparse: SparseAttentionConfig | None, output_dir: Path) -> list[str]:
     """The card's "Quick start": how to load the saved model (a whole model, or a PEFT adapter onto its base
     model) and generate, and how to train on with the sparse pattern."""
-    name = _model_name(trainer)
+    name, note = _load_from(trainer, output_dir)
     tokenizer = name if _saves_tokenizer(trainer, output_dir) else None
     peft_model = _peft_model(trainer)
     if peft_model is not None:
-        return _adapter_quick_start(trainer, peft_model, sparse, tokenizer)
+        return note + _adapter_quick_start(trainer, peft_model, sparse, tokenizer, name)
     loader = _loader(trainer.accelerator.unwrap_model(trainer.model))
-    lines = [f"The weights are a standard transformers checkpoint: the model loads and {_runs(loader)} without "
+    lines = [*note, f"The weights are a standard transformers checkpoint: the model loads and {_runs(loader)} without "
              "`hf-sparse-cp`, with any attention implementation (e.g. `attn_implementation=\"sdpa\"`):", "",
              "```python", f"from transformers import {_imports(loader.name, tokenizer)}", "",
              f'model = {loader.name}.from_pretrained("{name}")', *_generate_lines(tokenizer, loader.generates),
@@ -575,7 +599,10 @@ def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | 
                   *(f"| {layer} | {value:.3f} |" for layer, value in means.items()), "",
                   _draw_plot(trainer, output_dir), ""]
     else:
-        lines += ["Not logged (sparsity logging is `--sparse_log_sparsity`, added by `attach_to_trainer`).", ""]
+        # (#50: a plot an earlier run's card drew in this folder stayed beside this card, and went to the Hub with it)
+        (output_dir / KEPT_FRACTION_PLOT).unlink(missing_ok=True)
+        lines += ["None: dense attention computes every block (a kept fraction of 1.0)." if sparse is None else
+                  "Not logged (sparsity logging is `--sparse_log_sparsity`, added by `attach_to_trainer`).", ""]
 
     if sparse is not None:
         saved = ("not saved with the adapter: it has no config.json; this card holds it" if _peft_model(trainer)

@@ -350,6 +350,28 @@ def cluster_of(args: argparse.Namespace) -> tuple[Cluster, Callable[..., Hardwar
     return cluster, hardware
 
 
+# Training's default `--sparse_gradient_checkpointing_min_length` (`SparseTrainingArguments`): gradient checkpointing
+# from this length on.
+DEFAULT_CHECKPOINTING_MIN_LENGTH = 16384
+# Training's name of --gradient-checkpointing-min-length, which the commands take too (`FlagParser` aliases).
+CHECKPOINTING_ALIAS = {"--sparse_gradient_checkpointing_min_length": "--gradient-checkpointing-min-length"}
+
+
+def add_checkpointing_argument(p: argparse.ArgumentParser) -> None:
+    """--gradient-checkpointing-min-length: the length from which a step is predicted with gradient checkpointing, as
+    training switches it on (training's flag name is taken too: `CHECKPOINTING_ALIAS`)."""
+    p.add_argument("--gradient-checkpointing-min-length", type=at_least(0), default=DEFAULT_CHECKPOINTING_MIN_LENGTH,
+                   help="Gradient checkpointing from this length on, as the plugin's "
+                   "--sparse_gradient_checkpointing_min_length (which is taken too): shorter sequences keep every "
+                   "layer's activations to its backward and run its forward once; 1: every length (the Trainer's "
+                   "--gradient_checkpointing), 0: none.")
+
+
+def checkpointed(args: argparse.Namespace, seq_len: int) -> bool:
+    """Whether training checkpoints sequences of `seq_len` tokens (--gradient-checkpointing-min-length; 0: never)."""
+    return bool(args.gradient_checkpointing_min_length) and seq_len >= args.gradient_checkpointing_min_length
+
+
 def add_cp_mode_arguments(parser: argparse.ArgumentParser) -> None:
     """`--cp_mode` and `--cp_ulysses_size`, the training flags of the same names."""
     parser.add_argument("--cp_mode", default="ring", choices=[mode.name for mode in cp_modes()],

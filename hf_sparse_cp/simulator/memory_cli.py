@@ -23,12 +23,15 @@ from ..distributed.split.documents import PlannerCosts
 from ..memory.savers import MemorySavers
 from ..recipes import pattern_path
 from .arguments import (
+    CHECKPOINTING_ALIAS,
     FlagParser,
     HelpFormatter,
+    add_checkpointing_argument,
     add_cp_mode_arguments,
     add_model_arguments,
     at_least,
     check_output_file,
+    checkpointed,
     cp_layout,
     fraction,
     model_name,
@@ -89,7 +92,8 @@ def _gb(n: float) -> str:
 
 
 def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
-    p = FlagParser(prog=prog, description=__doc__, formatter_class=HelpFormatter, aliases={"--cp_size": "--cp"})
+    aliases = {"--cp_size": "--cp", **CHECKPOINTING_ALIAS}
+    p = FlagParser(prog=prog, description=__doc__, formatter_class=HelpFormatter, aliases=aliases)
     add_model_arguments(p, PRESETS, default=None)
     p.add_argument("--gpu-memory", default="80GB",
                    help="Memory of one GPU (any GPU): 80GB, 80GiB, 40GB, 141GB, or 'auto' (CUDA device 0).")
@@ -121,6 +125,7 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
                    help="With --optimizer smet: SMET's active fraction of the layer matrices (--smet_density).")
     p.add_argument("--loss-backend", default="torch", choices=("torch", "liger"),
                    help="The lean loss: chunked PyTorch (default) or liger-kernel's (when installed).")
+    add_checkpointing_argument(p)
     p.add_argument("--token-tiling-min-length", type=at_least(0), default=DEFAULT_TILING_MIN_LENGTH,
                    help="MLPs and RMSNorms in token tiles from this length on, as the plugin's "
                    "--sparse_token_tiling_min_length (0: never).")
@@ -167,9 +172,23 @@ def settings_for_length(args, arch: Architecture) -> callable:
         tiled = arch.token_tiles and bool(args.token_tiling_min_length) and seq_len >= args.token_tiling_min_length
         savers = MemorySavers(tiled=tiled, tile_tokens=args.token_tile_size,
                               offload_layer_inputs=args.offload_layer_inputs)
-        return dataclasses.replace(base, savers=savers)
+        checkpointing = checkpointed(args, seq_len)
+        return dataclasses.replace(base, savers=savers, gradient_checkpointing=checkpointing)
 
     return settings
+
+
+def longest_length(args, arch: Architecture, budget: float) -> int:
+    """`longest_fitting_length` under the settings training picks at each length. Gradient checkpointing, on from
+    --gradient-checkpointing-min-length, lowers the peak at that length (#50: the search stopped at the first length
+    below it whose activations did not fit): the longest checkpointed length when that length fits checkpointed,
+    else the longest of the shorter ones, each range's peak growing with the length."""
+    settings = settings_for_length(args, arch)
+    always = lambda n: dataclasses.replace(settings(n), gradient_checkpointing=True)  # noqa: E731
+    longest = longest_fitting_length(arch, budget, always, granularity=GRANULARITY, limit=SEARCH_LIMIT)
+    if checkpointed(args, longest):
+        return longest
+    return longest_fitting_length(arch, budget, settings, granularity=GRANULARITY, limit=SEARCH_LIMIT)
 
 
 def given_flags(argv: list[str] | None, prog: str) -> set[str]:
@@ -202,6 +221,10 @@ def _check_read(args, parser: argparse.ArgumentParser, given: set[str], pattern:
         parser.error(f"--token-tile-size {args.token_tile_size} sizes the tiles of --token-tiling-min-length; with "
                      "--token-tiling-min-length 0 (never tiled) it would be ignored: drop it, or give the length to "
                      "tile from.")
+    if args.offload_layer_inputs and not args.gradient_checkpointing_min_length:
+        parser.error("--offload-layer-inputs moves the inputs that gradient checkpointing saves, and training refuses "
+                     "it without checkpointing (--gradient-checkpointing-min-length 0): drop it, or give the length to "
+                     "checkpoint from (1: every length).")
     unread = [f"--kept-curve {args.kept_curve}"] if args.kept_curve else []
     unread += [f"--layout-width {args.layout_width}"] if "layout_width" in given else []
     if unread and pattern.pattern != "dense" and pattern.budget.most_diagonal_blocks(pattern.block_size) is not None:
@@ -243,9 +266,8 @@ def predict(args: argparse.Namespace, capacity: float, arch: Architecture | None
     arch = architecture(args) if arch is None else arch
     settings = settings_for_length(args, arch)
     budget = args.usable_fraction * capacity
-    longest = longest_fitting_length(arch, budget, settings, granularity=GRANULARITY, limit=SEARCH_LIMIT)
-    margin = longest_fitting_length(arch, budget / MEASURED_BAND[1], settings, granularity=GRANULARITY,
-                                    limit=SEARCH_LIMIT)
+    longest = longest_length(args, arch, budget)
+    margin = longest_length(args, arch, budget / MEASURED_BAND[1])
     report = {"model": model_name(args), "parameters": arch.params, "gpu_memory_bytes": capacity,
               "usable_bytes": budget,
               "settings": {k: v for k, v in vars(args).items() if k not in ("json", "quiet", "seq_len")},
@@ -254,7 +276,8 @@ def predict(args: argparse.Namespace, capacity: float, arch: Architecture | None
     for n in sorted({*args.seq_len, *([longest] if longest else [])}):
         est = predict_step_memory(arch, n, settings(n))
         report["lengths"][n] = {**est.to_dict(), "fits": est.peak_bytes <= budget,
-                                "terms_bytes": est.terms(), "token_tiles": settings(n).savers.tiled}
+                                "terms_bytes": est.terms(), "token_tiles": settings(n).savers.tiled,
+                                "gradient_checkpointing": settings(n).gradient_checkpointing}
     return report
 
 
@@ -271,10 +294,16 @@ def _shortest_fix(args: argparse.Namespace, arch: Architecture) -> tuple[int, Me
     state = sum(b for t, b in est.terms().items() if t in MODEL_STATE_TERMS)
     if state >= est.peak_bytes / 2:  # (the model's state is most of the peak)
         fixes = [f"shard the model's state over more ranks (--fsdp {max(2 * args.fsdp, args.cp)})"] + (
-            ["train a model loaded in bf16 (--no-master-weights)"] if args.master_weights else [])
+            ["train a model loaded in bf16 (--no-master-weights)"] if _autocast(args) else [])
         return shortest, est, f"{', '.join(fixes)} or use a larger GPU"
     fewer = f"fewer CP ranks (--cp {args.cp // 2}) try shorter sequences, or " if args.cp > 1 else ""
     return shortest, est, f"mostly for the sequence: {fewer}use a larger GPU"
+
+
+def _autocast(args: argparse.Namespace) -> bool:
+    """Whether the step computes in a lower precision than its fp32 weights (--master-weights, a 16-bit --dtype):
+    float32 compute has no autocast, whatever --master-weights says."""
+    return args.master_weights and args.dtype != "float32"
 
 
 def _nothing_fits(args: argparse.Namespace, arch: Architecture, budget: float) -> str:
@@ -291,6 +320,17 @@ def _none_at_band_top(args: argparse.Namespace, arch: Architecture, budget: floa
     shortest, est, fix = _shortest_fix(args, arch)
     return (f"not even {shortest:,} tokens, the shortest length tried (its peak, {_gb(est.peak_bytes)}, is "
             f"{_gb(est.peak_bytes * MEASURED_BAND[1])} at the band's top, over the {_gb(budget)} usable; {fix})")
+
+
+def _unchecked(fits: bool, offload: bool) -> str:
+    """A length's note where training runs it without gradient checkpointing (below
+    --gradient-checkpointing-min-length), with the fix where it does not fit or where --offload-layer-inputs, which
+    training refuses without checkpointing, is given."""
+    fix = ": the Trainer's --gradient_checkpointing (or --sparse_gradient_checkpointing_min_length at most this " \
+        "length) turns it on"
+    if offload:
+        return f", no gradient checkpointing, under which training refuses --sparse_offload_layer_inputs{fix}"
+    return ", no gradient checkpointing" + ("" if fits else fix)
 
 
 def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> dict:
@@ -329,7 +369,7 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
     where = f"CP {args.cp}" + (f" ({mode.name}{heads})" if args.cp > 1 else "") + \
         (f", FSDP {args.fsdp}" if args.fsdp > 1 else "")
     precision = (f"fp32 weights + {args.dtype} autocast (the Trainer's mixed precision; --no-master-weights: all "
-                 f"{args.dtype})" if args.master_weights else f"all {args.dtype} (a model loaded in {args.dtype})")
+                 f"{args.dtype})" if _autocast(args) else f"all {args.dtype} (a model loaded in {args.dtype})")
     print(f"{report['model']} ({_parameters(arch.params)} parameters), {precision}, {args.optimizer}, {where}, one GPU "
           f"of {_gb(capacity)} ({_gb(budget)} usable). Predictions of hf_sparse_cp.simulator.memory_model, not "
           "measurements.")
@@ -353,6 +393,7 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
     for n, r in report["lengths"].items():
         terms = ", ".join(f"{t} {_gb(b)}" for t, b in list(r["terms_bytes"].items())[:5])
         print(f"  {n:,} tokens: peak {_gb(r['peak_gib'] * GIB)} in {r['peak_phase']} "
-              f"({'fits' if r['fits'] else 'does not fit'}{', token tiles' if r['token_tiles'] else ''}); "
+              f"({'fits' if r['fits'] else 'does not fit'}{', token tiles' if r['token_tiles'] else ''}"
+              f"{'' if r['gradient_checkpointing'] else _unchecked(r['fits'], args.offload_layer_inputs)}); "
               f"largest terms: {terms}; layout rows {r['layout_width']}")
     return report

@@ -49,6 +49,7 @@ TERMS = (
     "weights", "gradients", "optimizer state", "optimizer step temporaries", "FSDP gathered layers",
     "autocast weight copies", "loss: weight-gradient buffers", "loss: logits chunk", "attention workspace",
     "inputs and token metadata", "rotary cos/sin", "saved layer inputs", "recomputed layer: saved activations",
+    "layers' saved activations",
     "MLP intermediate", "RMSNorm fp32 copies", "attention tensors", "attention layouts", "estimation buffers",
     "CP ring buffers", "CP all-to-all buffers", "hidden-state gradients", "loss: hidden gradient", "loss: logits",
 )
@@ -199,7 +200,11 @@ class StepSettings:
     fsdp: int = field(
         default=1, metadata={"help": "Ranks the weights, gradients and optimizer state are sharded over (FSDP2 "
                              "shards over data x context parallel ranks)."})
-    gradient_checkpointing: bool = field(default=True, metadata={"help": "Checkpoint every decoder layer."})
+    gradient_checkpointing: bool = field(
+        default=True,
+        metadata={"help": "Checkpoint every decoder layer; off: every layer keeps what its forward saves until its "
+                  "backward (training's below --sparse_gradient_checkpointing_min_length, unless "
+                  "--gradient_checkpointing)."})
     savers: MemorySavers = field(default_factory=MemorySavers, metadata={"help": "Token tiles, host offload."})
     pattern: SparseAttentionConfig = field(default_factory=SparseAttentionConfig,
                                            metadata={"help": "The sparse pattern (layout sizes, estimation)."})
@@ -473,6 +478,8 @@ class _Step:
         self.tape = _Tape(self.t)
         self.a = DTYPE_BYTES[s.dtype]
         self.w = 4 if s.master_weights else self.a
+        # autocast's lower-precision copies of the fp32 weights (#50: counted for fp32 compute too, which has none)
+        self.autocast = s.master_weights and self.a < 4
         self.h, self.i = sh.hidden, sh.intermediate
         self.q, self.kv = sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim
         # RMSNorm computes in fp32: a copy of its input unless that is fp32 already
@@ -650,16 +657,32 @@ class _Step:
         """With autograd, as the checkpoint replays it in backward: it stops once the last saved tensor
         (down_proj's input; tiled: the MLP's input) exists. Returns the saved tensors by the module whose
         backward frees them."""
+        return self.layer_with_grad()[0]
+
+    def layer_with_grad(self, layer_input: int | None = None) -> tuple[dict[str, list[int]], int | None]:
+        """The layer's forward with autograd: `layer_recompute`'s (`layer_input` None), or without checkpointing the
+        whole forward of the layer whose input is `layer_input`, which it frees once the residual sum is made unless
+        its first norm saves it (an fp32 or tiled norm, as the second keeps the residual sum). Returns the saved
+        tensors by module and the layer's output (None when recomputed)."""
         tape, a, h = self.tape, self.a, self.h
+        saves_input = self.s.savers.tiled or not self.norm32  # the tiled norm saves its input; so does an fp32 one
         saved1, n1 = self.norm(True)
         att = self.attention(True)
         o = tape.alloc("attention tensors", per_token=a * h)
         h1 = tape.alloc("attention tensors", per_token=a * h)
         tape.free(o)
+        if layer_input is not None and not saves_input:
+            tape.free(layer_input)
         saved2, n2 = self.norm(True)
         mlp = self.mlp(True)
-        tape.transient("attention tensors", per_token=a * h)  # the MLP's output, made before the stop
-        if self.s.savers.tiled or not self.norm32:  # the tiled norm saves its input; so does an fp32 one (no copy)
+        out = None
+        if layer_input is None:
+            tape.transient("attention tensors", per_token=a * h)  # the MLP's output, made before the stop
+        else:  # the MLP's output and the residual sum, the next layer's input
+            mlp_out = tape.alloc("attention tensors", per_token=a * h)
+            out = tape.alloc("layers' saved activations", per_token=a * h)
+            tape.free(mlp_out)
+        if saves_input:
             saved2.append(h1)
         else:
             tape.free(h1)
@@ -672,12 +695,15 @@ class _Step:
                 att[:3] = [tape.alloc("attention tensors", measured.inputs.per_token, measured.inputs.const)]
             groups["norm1"], groups["norm2"] = ([tape.alloc("recomputed layer: saved activations", part.per_token,
                                                             part.const)] for part in (measured.before, measured.after))
+        if layer_input is not None and saves_input:  # (after the measured tensors, which leave the input out)
+            groups["norm1"].append(layer_input)
+        saved_term = "recomputed layer: saved activations" if layer_input is None else "layers' saved activations"
         for name in ("norm1", "attention", "norm2"):  # reported as one term (the MLP's and the layout apart)
             for handle in groups[name]:
                 term, p, c = tape.live[handle]
                 if term != "attention layouts":
-                    tape.live[handle] = ("recomputed layer: saved activations", p, c)
-        return groups
+                    tape.live[handle] = (saved_term, p, c)
+        return groups, out
 
     def layer_backward(self, saved: dict[str, list[int]], grad_out: int) -> int:
         """Backward through a recomputed layer, freeing each module's saved tensors after its backward;
@@ -765,12 +791,25 @@ class _Step:
             tape.alloc("FSDP gathered layers", const=2 * arch.layer_params * w)
         tape.alloc("inputs and token metadata", per_token=8 * 4 + 12)  # ids, labels, positions, shifted labels
         tape.alloc("rotary cos/sin", per_token=2 * arch.shape.head_dim * a)
-        casts = tape.alloc("autocast weight copies", const=n_layers * arch.layer_params * a) if s.master_weights \
-            else None
+        checkpointing = s.gradient_checkpointing
+        casts = tape.alloc("autocast weight copies", const=n_layers * arch.layer_params * a) \
+            if self.autocast and checkpointing else None
+        # without checkpointing: each layer's autocast copies (which its saved tensors hold) and saved tensors, kept
+        # to its backward; its input (`floor`) freed by its forward or saved with its first norm's tensors
+        layer_casts: list[int | None] = []
+        layer_saved: list[dict[str, list[int]]] = []
         floor = [tape.alloc("saved layer inputs", per_token=0 if self.offload else a * h)]  # the embedding
         for layer, window in enumerate(self.windows):
             self.layer, self.window = layer, window
-            floor.append(self.layer_forward())
+            if checkpointing:
+                floor.append(self.layer_forward())
+                continue
+            layer_casts.append(tape.alloc("autocast weight copies", const=arch.layer_params * a)
+                               if self.autocast else None)
+            saved, out = self.layer_with_grad(floor[-1])
+            floor[-1] = None
+            layer_saved.append(saved)
+            floor.append(out)
         last = floor.pop()  # the final norm's input (saved by the norm, not by a checkpoint)
         tape.live[last] = ("hidden-state gradients", a * h, 0.0)
 
@@ -795,9 +834,12 @@ class _Step:
         tape.free(grad_hidden)
         for layer in reversed(range(n_layers)):
             self.layer, self.window = layer, self.windows[layer]
-            copied = tape.alloc("saved layer inputs", per_token=a * h) if self.offload else None
-            cast = tape.alloc("autocast weight copies", const=arch.layer_params * a) if s.master_weights else None
-            saved = self.layer_recompute()
+            if checkpointing:
+                copied = tape.alloc("saved layer inputs", per_token=a * h) if self.offload else None
+                cast = tape.alloc("autocast weight copies", const=arch.layer_params * a) if self.autocast else None
+                saved = self.layer_recompute()
+            else:
+                copied, cast, saved = None, layer_casts[layer], layer_saved[layer]
             tape.alloc("gradients", const=arch.layer_params * w / s.fsdp)
             # FSDP2: the layer's unsharded gradient, freed once reduce-scattered into the shard as its backward ends
             unsharded = tape.alloc("gradients", const=arch.layer_params * w) if s.fsdp > 1 else None

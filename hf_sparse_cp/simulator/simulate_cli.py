@@ -56,13 +56,16 @@ from ..distributed.modes import CPMode
 from ..distributed.split.documents import PlannerCosts, kept_blocks_per_row, linear_weight, row_runs
 from ..env import environment
 from .arguments import (
+    CHECKPOINTING_ALIAS,
     FlagParser,
     HelpFormatter,
+    add_checkpointing_argument,
     add_cluster_arguments,
     add_cp_mode_arguments,
     add_model_arguments,
     at_least,
     check_output_file,
+    checkpointed,
     cluster_of,
     cp_layout,
     custom_parts,
@@ -113,7 +116,7 @@ DEFAULT_CONFIGS = ("dense ring", "striped sparse")
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = FlagParser(prog=prog, description=__doc__, formatter_class=HelpFormatter,
-                   aliases={"--cp_size": "--cp", "--seq_len": "--seq"})
+                   aliases={"--cp_size": "--cp", "--seq_len": "--seq", **CHECKPOINTING_ALIAS})
     add_model_arguments(p, MODELS, default="qwen2.5-3b")
     add_cluster_arguments(p, default="8xH100-IB400")
     add_cp_mode_arguments(p)
@@ -157,6 +160,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--estimation-chunk", type=at_least(BLOCK), default=None,
                    help="Charge the estimation of estimation='causal_chunks' with this chunk (default: each "
                    "document's last queries); a packed row is charged as one sequence (an upper bound).")
+    add_checkpointing_argument(p)
     p.add_argument("--seed", type=at_least(0), default=0, help="Seed of the synthetic layouts and packed rows.")
     p.add_argument("--json", default=None,
                    help="Output file (default: simulate-cluster_<model>_<cluster>[_<mix>].json in the results folder: "
@@ -382,15 +386,16 @@ def simulate(args, model_name: str, model: ModelShape, cluster: Cluster, hardwar
                         r = predict_head_parallel_step(setup, model, hw, cluster, head_size=head_size,
                                                        estimation=_estimation(args),
                                                        dense_layers=args.dense_first_layers, dense=dense,
-                                                       sliding=sliding)
+                                                       sliding=sliding, recompute=checkpointed(args, seq))
                     else:
                         r = predict_step(setup, model, hw, cluster, estimation_chunk=args.estimation_chunk,
                                          counts=counts, dense_layers=args.dense_first_layers, dense=dense,
-                                         sliding=sliding)
+                                         sliding=sliding, recompute=checkpointed(args, seq))
                     r.update(mode=mode.name if in_mode else "ring", head_size=head_size if in_mode else 1)
                     if target is not None and setup.sparse:
                         r.update(kept_target=target.kept, kept_basis=target.basis, kept_source=target.source)
                     r.update(model=model_name, cluster=cluster.name, seq=seq, cp=cp, config=name,
+                             gradient_checkpointing=checkpointed(args, seq),
                              kernel=kernel if setup.sparse else dense_kernel,
                              bound=setup.sparse and kernel in BOUND_KERNELS,
                              mix=args.mix or "one sequence",
@@ -563,7 +568,8 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
 
 ASSUMPTIONS = [
     "one sequence per CP group per step; tokens/s = sequence length / step time",
-    "gradient checkpointing: each layer's forward (estimation + ring) runs twice",
+    "gradient checkpointing from --gradient-checkpointing-min-length on (training's threshold; each row's "
+    "gradient_checkpointing): each layer's forward (estimation + ring) runs twice; shorter sequences run it once",
     "the dense ring: zigzag sharding, causal layout, no estimation, dense kernel costs",
     "sparse layouts are synthetic vertical-slash layouts of one density for every sparse layer (MTraining's grows "
     "with depth), that density the measured kept-fraction curve's at each length (kept_basis: measured, interpolated "

@@ -660,3 +660,49 @@ def test_the_card_of_a_sequence_classifier_loads_it_with_its_head(tmp_path, lora
     assert model.state_dict().keys() == trained.keys()
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, trained[name], msg=name)
+
+
+def test_a_dense_runs_card_keeps_no_plot_an_earlier_sparse_run_drew_in_its_folder(tmp_path):
+    """#50: `hf-sparse-cp train` into a folder a sparse run had written, with --no_sparse_attention: the card left the
+    earlier run's sparse_kept_fraction.png beside it (push_to_hub uploads it), and said the kept fraction was "Not
+    logged", naming the logging flag, for a run that had no sparse attention to log; a run that ended before its
+    first logging step (logging_steps 500) was said to have its card "written before the first logging step", its final
+    loss (the Trainer's mean over the run) left out."""
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    (output_dir / KEPT_FRACTION_PLOT).write_bytes(b"an earlier sparse run's plot")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 200, (2, 160)).unbind()]
+    args = SparseTrainingArguments(output_dir=str(output_dir), max_steps=1, per_device_train_batch_size=2,
+                                   report_to="none", save_strategy="no", use_cpu=True, sparse_attention=False)
+    trainer = SparseTrainer(model=model, args=args, train_dataset=rows, data_collator=default_data_collator)
+    trainer.train()
+    trainer.save_model()  # writes the card
+    card = (output_dir / "README.md").read_text()
+    assert not (output_dir / KEPT_FRACTION_PLOT).exists()
+    assert "None: dense attention computes every block (a kept fraction of 1.0)." in card and "Not logged" not in card
+    final = trainer.state.log_history[-1]["train_loss"]
+    assert "No step's loss logged (the run ended before its first logging step, --logging_steps)." in card
+    assert f"Final training loss (mean over the run): **{final:.4f}** after 1 steps." in card
+
+
+def test_the_quick_start_loads_the_model_where_it_is_saved(smet_run, tmp_path, monkeypatch):
+    """#50: `hf-sparse-cp train` (no --save_final_model) wrote a card whose quick start loaded the output folder, which
+    held no model: it loads the last checkpoint where there is one, and says where nothing is saved yet."""
+    trainer, parallel, _ = smet_run
+    monkeypatch.setattr(trainer.args, "output_dir", str(tmp_path))
+    card = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN).read_text()
+    assert f"No model was saved in `{tmp_path}` when this card was written: `Trainer.save_model()`" in card
+    trainer._save(str(tmp_path / "checkpoint-2"))
+    trainer._save(str(tmp_path / "checkpoint-10"))
+    card = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN).read_text()
+    assert (f"No final model is saved in `{tmp_path}`: the code below loads its last checkpoint, `checkpoint-10`."
+            in card)
+    assert f'AutoModelForCausalLM.from_pretrained("{tmp_path / "checkpoint-10"}")' in card
+    trainer.save_model()
+    card = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN).read_text()
+    assert "No final model" not in card and "No model was saved" not in card
+    assert f'AutoModelForCausalLM.from_pretrained("{tmp_path}")' in card

@@ -179,6 +179,10 @@ def test_plot_names_the_fix_for_a_directory_without_logs_or_model(tmp_path, caps
     (["--only", "kept_fraction", "--max_length", "256", "--sparse_config", "trial"], "--max_length, --sparse_config "
      "choose what the block layouts draw, and --only kept_fraction draws none: drop them, or drop --only."),
     (["--model", ""], "--model '' is empty (an unset shell variable?): give its value, or drop the flag."),
+    # (#50: failed after the logs' plot with huggingface_hub's rule for repo ids, naming neither the flag nor the fix)
+    (["--model", "/no/such/model"], "--model /no/such/model: no such folder, nor a Hub id (owner/name); give the "
+     "folder of a saved model (config.json), or its Hub id."),
+    (["--model", __file__], f"--model {__file__}: a file, not a folder, nor a Hub id"),
     # each failed only after the model's forward, naming no flag: a FileNotFoundError, an IsADirectoryError, a
     # FileExistsError, and a MemoryError traceback building the passkey sample
     (["--text_file", "missing.txt"], "--text_file missing.txt: no such file; give the file of a text."),

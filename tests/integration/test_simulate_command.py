@@ -237,3 +237,25 @@ def test_simulate_without_matplotlib_writes_its_json_and_refuses_only_a_plot_ask
     with pytest.raises(SystemExit) as refused:
         simulate_cli.main([*args, "--png", str(tmp_path / "a.png")])
     assert refused.value.code == 2 and "needs matplotlib: pip install 'hf-sparse-cp[plot]'" in capsys.readouterr().err
+
+
+def test_lengths_below_the_checkpointing_threshold_are_predicted_without_the_recomputed_forward(tmp_path, capsys):
+    """Issue #50: training checkpoints from --sparse_gradient_checkpointing_min_length (16K) on; `simulate` charged
+    every length a recomputed forward: at 8K on CP 2 the dense ring's step 0.17 s (0.13 s as it trains), the striped
+    sparse one's 0.34 s (0.23 s). Each row says whether it checkpoints; training's flag name is taken, 1 checkpointing
+    every length."""
+    from hf_sparse_cp.cli import main
+
+    def rows(*flags: str) -> dict[int, dict]:
+        out = tmp_path / "sim.json"
+        main(["simulate", "--seq", "8192", "16384", "--cp", "2", "--configs", "dense ring", "--json", str(out),
+                           "--png", str(tmp_path / "sim.png"), *flags])
+        return {row["seq"]: row for row in json.loads(out.read_text())["rows"]}
+
+    trained, recomputed = rows(), rows("--sparse_gradient_checkpointing_min_length", "1")
+    capsys.readouterr()
+    assert [trained[n]["gradient_checkpointing"] for n in (8192, 16384)] == [False, True]
+    assert recomputed[8192]["gradient_checkpointing"]
+    assert trained[8192]["attention_fwd_s"] == pytest.approx(recomputed[8192]["attention_fwd_s"])
+    assert trained[8192]["step_s"] < recomputed[8192]["step_s"] - trained[8192]["attention_fwd_s"] / 2
+    assert trained[16384]["step_s"] == pytest.approx(recomputed[16384]["step_s"])

@@ -945,3 +945,79 @@ def test_a_mixture_of_experts_is_refused_naming_the_field_its_config_json_holds(
     err = capsys.readouterr().err
     assert refused.value.code == 2 and "Traceback" not in err, err
     assert f"--config {tmp_path}: n_routed_experts=8: a mixture of experts" in err, err
+
+
+def _unchecked_step_peak(layers: int) -> tuple[int, float]:
+    """(measured, predicted) bytes at the peak of a step (forward, lean loss, backward) of a bf16 Qwen2 of `layers`
+    layers without gradient checkpointing, the weights apart: measured by the allocation recorder on this CPU."""
+    from hf_sparse_cp.integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
+    from hf_sparse_cp.testing.allocations import AllocationRecorder
+
+    config = tiny_config("qwen2", num_hidden_layers=layers, hidden_size=128, intermediate_size=2048,
+                         num_attention_heads=2, num_key_value_heads=1, vocab_size=256)
+    hf_sparse_cp.patch()
+    enabled = not is_lean_loss_enabled()
+    enable_lean_loss()
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sparse_cp", dtype=torch.bfloat16)
+        model.train()
+        configure(model, PATTERN)
+        ids = torch.randint(0, config.vocab_size, (1, 1024))
+        recorder = AllocationRecorder(with_sites=False)
+        with recorder:
+            model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        if enabled:
+            disable_lean_loss()
+    est = predict_step_memory(Architecture.from_config(config), 1024, StepSettings(
+        device="cpu", pattern=PATTERN, gradient_checkpointing=False, optimizer="none"))
+    return recorder.peak_bytes, est.peak_bytes - est.terms("optimizer")["weights"]
+
+
+def test_a_step_without_gradient_checkpointing_holds_every_layers_saved_tensors():
+    """Issue #50: `StepSettings(gradient_checkpointing=False)` was predicted as a checkpointed step, every layer's
+    activations but one left out (training runs without checkpointing below --sparse_gradient_checkpointing_min_length).
+    What four more layers add to the peak, measured by the allocation recorder at 1K tokens: 72.0 MiB; predicted
+    6.2 before (their weights' gradients), 74.1 now."""
+    (measured_1, predicted_1), (measured_5, predicted_5) = _unchecked_step_peak(1), _unchecked_step_peak(5)
+    assert predicted_5 - predicted_1 == pytest.approx(measured_5 - measured_1, rel=0.1)
+
+
+def test_the_memory_command_predicts_lengths_below_the_checkpointing_threshold_without_it(capsys):
+    """Issue #50: training checkpoints from --sparse_gradient_checkpointing_min_length (16K) on; `memory` predicted
+    every length checkpointed: 8K tokens of Qwen2.5-0.5B 'fit' 12 GB at 9.9 GB, where training (no checkpointing)
+    holds 19.3 GB. The longest length is still searched past the shorter lengths that do not fit unchecked."""
+    argv = ["memory", "--model", "qwen2.5-0.5b", "--gpu-memory", "12GB", "--seq-len", "8192"]
+    assert cli_main([*argv, "--json", "/dev/null"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"8,192 tokens: peak 19\.\d GB in \w+ \(does not fit, no gradient checkpointing: the Trainer's "
+                     r"--gradient_checkpointing", out)
+    assert "Longest sequence that fits: 59,392 tokens" in out
+    assert cli_main([*argv, "--sparse_gradient_checkpointing_min_length", "1"]) == 0  # (training's spelling)
+    assert re.search(r"8,192 tokens: peak 9\.9 GB in optimizer \(fits\)", capsys.readouterr().out)
+    assert cli_main([*argv, "--gradient-checkpointing-min-length", "0", "--quiet"]) == 0
+    assert int(capsys.readouterr().out) == 2048
+    # (training refuses --sparse_offload_layer_inputs without checkpointing)
+    assert cli_main([*argv, "--offload-layer-inputs"]) == 0
+    assert "no gradient checkpointing, under which training refuses --sparse_offload_layer_inputs: the Trainer's " \
+        "--gradient_checkpointing" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli_main([*argv, "--offload-layer-inputs", "--gradient-checkpointing-min-length", "0"])
+    assert "--offload-layer-inputs moves the inputs that gradient checkpointing saves, and training refuses it " \
+        "without checkpointing (--gradient-checkpointing-min-length 0)" in capsys.readouterr().err
+
+
+def test_float32_compute_holds_no_autocast_copies_whatever_master_weights_says(capsys):
+    """Issue #50: `memory --dtype float32` (a Trainer without --bf16/--fp16; --master-weights is the default) counted
+    autocast's copies of every layer's weights (1.4 GB of Qwen2.5-0.5B in forward) and was described as "fp32 weights
+    + float32 autocast (the Trainer's mixed precision)": fp32 compute runs no autocast."""
+    arch = PRESETS["qwen2.5-0.5b"]
+    master, plain = (predict_step_memory(arch, 65536, StepSettings(dtype="float32", master_weights=m))
+                     for m in (True, False))
+    assert {p: v["bytes"] for p, v in master.phases.items()} == {p: v["bytes"] for p, v in plain.phases.items()}
+    assert "autocast weight copies" not in master.terms("forward")
+    assert "autocast weight copies" in predict_step_memory(arch, 65536, StepSettings(master_weights=True)).terms(
+        "forward")
+    assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--dtype", "float32", "--seq-len", "65536"]) == 0
+    assert "all float32 (a model loaded in float32)" in capsys.readouterr().out
