@@ -242,15 +242,26 @@ def given_sections(budget: BudgetSection, scoring: Scoring) -> dict[str, Any]:
     return out
 
 
+def _override_key(key: Any) -> Any:
+    """A `layer_overrides` key as a saved config.json holds it: a layer index given as an int as its text (JSON keys
+    are text: the settings loaded back compared unequal to those saved), any other key as it is."""
+    return str(key) if isinstance(key, int) and not isinstance(key, bool) else key
+
+
 def parsed_overrides(overrides: Any) -> Any:
     """`layer_overrides` given as JSON text, parsed (None for blank text); a mapping with its layers' section objects
-    (`budget=TopK(...)`, `scoring=Scoring(...)`) as the mappings of what they hold (`section_mapping`), as a saved
-    config.json holds them (json cannot write the objects: saving a model so configured failed); any other value as
-    it is."""
+    (`budget=TopK(...)`, `scoring=Scoring(...)`) as the mappings of what they hold (`section_mapping`) and its int
+    keys as text (`_override_key`), as a saved config.json holds them (json cannot write the objects: saving a model
+    so configured failed); any other value as it is."""
     if isinstance(overrides, dict):
+        keys = [_override_key(key) for key in overrides]
+        twice = sorted({key for key in keys if keys.count(key) > 1})
+        if twice:
+            raise ValueError(f"layer_overrides names layer {twice[0]} twice (as {twice[0]} and {twice[0]!r}): merge "
+                             "their fields under one key.")
         return {key: {name: section_mapping(name, value) if isinstance(value, FileConfig) else value
                       for name, value in fields_.items()} if isinstance(fields_, dict) else fields_
-                for key, fields_ in overrides.items()}
+                for key, fields_ in zip(keys, overrides.values())}
     if not isinstance(overrides, str):
         return overrides
     try:

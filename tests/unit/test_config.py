@@ -250,7 +250,7 @@ def test_overlapping_overrides_run_the_same_pattern_once_saved_and_loaded():
         assert [(config.for_layer(i).pattern, config.for_layer(i).sink_tokens) for i in range(12)] == want
 
 
-def test_section_objects_in_layer_overrides_save_with_the_model():
+def test_section_objects_and_int_keys_in_layer_overrides_save_with_the_model():
     """A layer's budget or scoring given as a section object, as the config's own (`budget=TopK(...)`), was kept as
     the object: the model's config.json could not be written (TypeError: Object of type TopK is not JSON
     serializable, at the first checkpoint, #50). They are kept as the mappings they stand for, which load as they
@@ -263,6 +263,13 @@ def test_section_objects_in_layer_overrides_save_with_the_model():
     loaded = SparseAttentionConfig.from_dict(json.loads(model_config.to_json_string())["sparse_attention"])
     assert loaded == cfg and [loaded.for_layer(i) for i in range(4)] == [cfg.for_layer(i) for i in range(4)]
     assert cfg.for_layer(1).budget == TopK(vertical_topk=3) and cfg.for_layer(3).scoring == Scoring(8, 0, 16)
+    # a layer index given as an int is kept as the text config.json holds (loaded, the settings compared unequal to
+    # those saved); the same layer as an int and as text is refused
+    ints = SparseAttentionConfig(layer_overrides={1: {"pattern": "dense"}})
+    model_config = LlamaConfig(num_hidden_layers=4, sparse_attention=ints.to_dict())
+    assert SparseAttentionConfig.from_dict(json.loads(model_config.to_json_string())["sparse_attention"]) == ints
+    with pytest.raises(ValueError, match=r"layer_overrides names layer 1 twice \(as 1 and '1'\): merge their fields"):
+        SparseAttentionConfig(layer_overrides={1: {"pattern": "dense"}, "1": {"sink_tokens": 4}})
 
 
 def test_a_config_says_which_flat_keys_its_layers_read():
