@@ -143,12 +143,35 @@ def _mark(keep: torch.Tensor, kept: torch.Tensor, positions: torch.Tensor) -> No
     keep |= torch.nn.functional.pad(keep, (0, 1)).scatter_(-1, at, True)[:, :-1]
 
 
+# The package's own budget modes, whose `most_kept` bounds their `select` by construction (tested).
+_OWN_MODULES = "hf_sparse_cp."
+
+
+def _check_most_kept(budget, cols: torch.Tensor, diags: torch.Tensor) -> None:
+    """Raise ValueError, naming the fix, where a budget mode's `select` kept more entries of a kind for one head than
+    its `most_kept` says it keeps: under context parallelism each rank offers only that many of its best (`offered`),
+    so the selection would differ from one process's, silently."""
+    for kind, kept in (("columns", cols), ("diagonals", diags)):
+        most = budget.most_kept(kind)
+        if most is None or not kept.numel():
+            continue
+        count = int(kept.sum(-1).amax())
+        if count > most:
+            raise ValueError(
+                f"budget mode {budget.mode!r} ({type(budget).__qualname__}) kept {count} {kind} of a segment for one "
+                f"head, where its most_kept({kind!r}) says at most {most}: under context parallelism each rank offers "
+                f"only its best {most}, and the pattern would differ from one process's. Make most_kept return a "
+                "bound its select never passes (None: any number).")
+
+
 def select_into(keep_v: torch.Tensor, keep_s: torch.Tensor, cfg: SparseAttentionConfig, columns: Entries,
                 diagonals: Entries, sg: EstimationSegment) -> None:
     """The budget stage of one segment: mark what `cfg.budget` keeps of its scored columns and diagonals
     (whole rows, or the candidates every rank offered) and its anchors in its set's keep_v, keep_s [H, S]."""
     budget = cfg.budget
     cols, diags = budget.select(columns, diagonals, sg.start, sg.q_hi, sg.scored_end, cfg.block_size)
+    if not type(budget).__module__.startswith(_OWN_MODULES):  # (a host read: a plug-in's budget only)
+        _check_most_kept(budget, cols, diags)
     _mark(keep_v, cols, columns.ids)
     _mark(keep_s, diags, sg.start + diagonals.ids * budget.diagonal_step(cfg.block_size))
     keep_anchors(keep_v, keep_s, sg.start, sg.q_hi, cfg)

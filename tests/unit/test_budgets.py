@@ -198,6 +198,40 @@ def test_a_mode_that_bounds_no_columns_runs(monkeypatch):
     assert predict_step_memory(PRESETS["qwen2.5-3b"], 1 << 16, StepSettings(pattern=unbounded)).peak_bytes > 0
 
 
+@dataclasses.dataclass
+class _AboveShareUnderstated(_AboveShare):
+    """Every entry, with a bound of one."""
+
+    mode = "above_share_understated"
+
+    def most_kept(self, kind):
+        return 1
+
+    def select(self, columns, diagonals, start, end, scored_end, block_size):
+        return torch.ones_like(columns.scores, dtype=torch.bool), torch.ones_like(diagonals.scores, dtype=torch.bool)
+
+
+def test_a_mode_whose_selection_passes_its_own_bound_is_refused_naming_the_fix(monkeypatch):
+    """Under CP each rank offers only a budget's `most_kept` best entries: a plug-in mode whose select kept more gave
+    another pattern than one process's (logits 0.049 apart, silently, #50). Its selection is checked against the
+    bound (one process too, so that both refuse alike)."""
+    from hf_sparse_cp.attention.sequence import sequence_attention
+    from hf_sparse_cp.attention.tokens import TokenMeta
+    from hf_sparse_cp.config import sections
+
+    monkeypatch.setattr(sections, "_BUDGETS", dict(sections._registered()))
+    sections.register_budget(_AboveShareUnderstated)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 150, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    meta = TokenMeta.from_segments(torch.zeros(1, 150, dtype=torch.int32))
+    cfg = SparseAttentionConfig(budget=_AboveShareUnderstated(), block_size=BS, min_seq_len=0, sink_tokens=2,
+                                local_window=4, last_q=16, attention_engine="reference")
+    with pytest.raises(ValueError, match=r"budget mode 'above_share_understated' \(_AboveShareUnderstated\) kept "
+                                         r"\d+ (columns|diagonals) of a segment for one head, where its most_kept\("
+                                         r"'(columns|diagonals)'\) says at most 1: .* Make most_kept return a bound"):
+        sequence_attention(q, k, v, meta, cfg)
+
+
 def test_the_registry_refuses_what_it_cannot_run(monkeypatch):
     """A plug-in mode without a method of the interface failed at its first forward with a bare
     NotImplementedError, one under a taken name replaced that mode silently (a built-in one too), and one without
