@@ -7,13 +7,14 @@ the merge of partial results. Nothing here knows about transformers or process g
 * `build.py`: layout construction (`build_layout`, `dense_layout`);
 * `estimate.py`: vertical-slash pattern estimation (`estimate_layout`);
 * `ops.py`: `block_sparse_attention` and the per-step primitives;
-* `engines.py`: which engine computes a call (the setting, `auto` and its timing table);
+* `engines.py`: which engine computes a call (the setting, `auto` and its timing table; `register_engine`);
 * `flex.py`: the FlexAttention engine;
 * `reference.py`, `merge.py`, `dense.py`, `precision.py`.
 """
 
 from .build import build_layout, dense_layout
 from .call import AttentionCall
+from .engines import Engine, register_engine
 from .estimate import estimate_layout
 from .layout import SparseLayout
 from .merge import merge_attention
@@ -23,6 +24,7 @@ from .tokens import TokenMeta
 
 __all__ = [
     "AttentionCall",
+    "Engine",
     "SparseLayout",
     "TokenMeta",
     "attention_backward",
@@ -35,4 +37,5 @@ __all__ = [
     "reference_backward",
     "reference_forward",
     "reference_vertical_slash",
+    "register_engine",
 ]

@@ -42,6 +42,7 @@ from typing import ClassVar
 import torch
 
 from ..backends import TRITON_INSTALL, choose_backend, is_triton_available, require_triton
+from ..config.engine_registry import ENGINES, engine_settings
 from .call import AttentionCall
 from .flex import flex_backward, flex_block_sparse_attention, flex_forward, is_flex_available
 from .layout import SparseLayout
@@ -225,10 +226,42 @@ class MaskedEngine(Engine):
         return masked_backward(call, out, lse, dout, dlse)
 
 
-# The engines by name, and the settings that name one ('auto': chosen per call, `resolve_engine`).
-ENGINES: dict[str, Engine] = {engine.name: engine for engine in (TritonEngine(), FlexEngine(), ReferenceEngine(),
-                                                                 MaskedEngine())}
-SETTINGS = ("auto", *ENGINES)
+def register_engine(engine: Engine) -> Engine:
+    """Make `engine` (an instance of an `Engine` subclass that computes `part` and `part_grads`, or `forward` and
+    `backward` merging as the kernels do, or `attention` where it is `differentiable`) selectable as
+    `SparseAttentionConfig(attention_engine=engine.name)`. A registered engine runs where a config names it; 'auto'
+    gives it a call only where every engine registered before it declines (the PyTorch reference never does). A name
+    registered to an engine of another class is refused (the class redefined, a notebook's cell run again, replaces
+    its earlier instance)."""
+    fix = ("subclass hf_sparse_cp.attention.engines.Engine, set its `name`, implement part and part_grads (or "
+           "attention, with differentiable = True), and register an instance")
+    if not isinstance(engine, Engine):
+        raise TypeError(f"register_engine takes an instance of an Engine subclass, not {type(engine).__name__} "
+                        f"{engine!r}: {fix}.")
+    name = getattr(engine, "name", None)
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValueError(f"{type(engine).__qualname__} has no `name` (a class attribute other than 'auto', the "
+                         f"attention_engine value that selects it): {fix}.")
+    own = lambda method: getattr(type(engine), method, None) is not getattr(Engine, method, None)  # noqa: E731
+    needs = [("attention",)] if engine.differentiable else [("part", "forward"), ("part_grads", "backward")]
+    missing = [" or ".join(either) for either in needs if not any(map(own, either))]
+    if missing:
+        raise TypeError(f"engine {name!r} ({type(engine).__qualname__}) does not implement {', '.join(missing)}: "
+                        f"{fix}.")
+    held = ENGINES.get(name)
+    if held is not None and _class_name(held) != _class_name(engine):
+        raise ValueError(f"attention engine {name!r} is already registered ({_class_name(held)}); give "
+                         f"{type(engine).__qualname__} another `name`.")
+    ENGINES[name] = engine
+    return engine
+
+
+def _class_name(engine: Engine) -> str:
+    return f"{type(engine).__module__}.{type(engine).__qualname__}"
+
+
+for _engine in (TritonEngine(), FlexEngine(), ReferenceEngine(), MaskedEngine()):  # (the order 'auto' walks)
+    register_engine(_engine)
 
 
 @dataclass(frozen=True)
@@ -308,10 +341,12 @@ def resolve_engine(q: torch.Tensor, layout: SparseLayout, implementation: str = 
         engines that do not decline the call (`Engine.declines`), the kernels or Flex by the timing table when
         both may run it, else the first.
     """
-    if implementation not in SETTINGS:
-        raise ValueError(f"implementation={implementation!r} is unknown; use one of {SETTINGS}.")
+    settings = engine_settings()
+    if implementation not in settings:
+        raise ValueError(f"implementation={implementation!r} is unknown; use one of {settings} (an engine of your "
+                         "own: register_engine(instance) first).")
     given = None if implementation == "auto" else implementation
-    name = choose_backend("Attention engine", ENGINE_ENV, SETTINGS, given)
+    name = choose_backend("Attention engine", ENGINE_ENV, settings, given)
     if name != "auto":
         missing = ENGINES[name].missing()
         if missing is not None:
@@ -337,7 +372,7 @@ def check_engine_trains_on(setting: str, device_type: str) -> None:
     """Raise ValueError, naming the fix, when the engine `setting` names (for 'auto': the one `$ENGINE_ENV` names,
     if set) cannot train on `device_type` devices (`Engine.device_refusal`): what its first call would refuse, once
     the processes have built their model and data."""
-    name = choose_backend("Attention engine", ENGINE_ENV, SETTINGS, None if setting == "auto" else setting)
+    name = choose_backend("Attention engine", ENGINE_ENV, engine_settings(), None if setting == "auto" else setting)
     reason = None if name == "auto" else ENGINES[name].device_refusal(device_type)
     if reason is None:
         return

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from .engine_registry import engine_settings
 from .files import (
     FileConfig,
     check_field_types,
@@ -173,7 +174,10 @@ class SparseAttentionConfig(FileConfig):
 
     def __post_init__(self) -> None:
         self.layer_overrides = parsed_overrides(self.layer_overrides)
-        check_field_types(self)  # (pattern too: its Literal lists the allowed values)
+        # (pattern too: its Literal lists the allowed values; attention_engine's lists the built-in engines for the
+        # flag, and any registered engine is valid here: `_check_engine`)
+        check_field_types(self, [f.name for f in dataclasses.fields(self) if f.name != "attention_engine"])
+        self._check_engine()
         check_block_size(self.block_size)
         for name in ("sink_tokens", "dense_first_layers", "min_seq_len"):
             if getattr(self, name) < 0:
@@ -188,6 +192,15 @@ class SparseAttentionConfig(FileConfig):
         self._parsed_overrides()
         if checks_unread_fields():  # (a layer's config, a stage's, a saved model's: checked by whoever derives them)
             self.refuse_unread(self.fields_given(), self.layer_configs())
+
+    def _check_engine(self) -> None:
+        """Refuse an `attention_engine` that names no registered engine (`engines.register_engine`), naming them."""
+        names = engine_settings()
+        if not isinstance(self.attention_engine, str) or self.attention_engine not in names:
+            raise ValueError(f"{setting('attention_engine', self.attention_engine)} "
+                             f"({type(self.attention_engine).__name__}) is not valid: use one of "
+                             f"{', '.join(map(value_text, names))} (an engine of your own: "
+                             "hf_sparse_cp.attention.register_engine(instance) first).")
 
     @classmethod
     def keys(cls) -> list[str]:

@@ -324,7 +324,7 @@ def test_call_shape_of_a_layout():
 def test_engines_are_registered_objects_and_each_choice_is_logged_once(caplog):
     """Every engine takes the call as one `AttentionCall`; the ops dispatch to the registered object; the
     engine chosen for a reason is logged the first time only."""
-    assert engines.SETTINGS == ("auto", "triton", "flex", "reference", "masked")
+    assert engines.engine_settings() == ("auto", "triton", "flex", "reference", "masked")
     assert all(isinstance(e, engines.Engine) and e.name == name for name, e in engines.ENGINES.items())
     assert "named only" in engines.ENGINES["masked"].declines(torch.zeros(1, 1, 1, 8))  # never chosen by 'auto'
     engines._logged.cache_clear()
