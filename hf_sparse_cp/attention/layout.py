@@ -212,8 +212,8 @@ class SparseLayout:
     def validate(self, num_q_heads: int, q_len: int, k_len: int, strict: bool = False) -> None:
         """Raise ValueError when the layout cannot drive attention over these sizes.
 
-        The checks of sizes, counts and index ranges (a layout built for more keys than k holds) always run;
-        `strict` also checks the order of the indices and that columns lie outside the listed blocks.
+        The checks of sizes, counts, index ranges (a layout built for more keys than k holds) and that each
+        query block lists a key once always run; `strict` also checks the order of the indices.
         """
         self.check_fits(num_q_heads, q_len)
         bs = self.block_size
@@ -229,16 +229,15 @@ class SparseLayout:
                              f"of {bs}): a layout built for other keys.")
         if bool(((col < 0) | (col >= k_len))[col_valid].any()):
             raise ValueError(f"layout.col_idx holds key tokens outside [0, {k_len}): a layout built for other keys.")
-        if not strict:
-            return
-        if not _strictly_ascending(blk, blk_valid) or not _strictly_ascending(col, col_valid):
+        twice = _listed_twice(blk, blk_valid, col, col_valid, bs)
+        if twice:
+            # (the kernels and the reference counted such a key twice in its query's softmax, the masked engine
+            # once, Flex a repeated block once and a repeated column twice: one layout, other numbers per engine)
+            raise ValueError(f"a query block of the layout lists {twice}: list each key once (a key block once, a "
+                             "column once and outside the key blocks its query block lists; "
+                             "hf_sparse_cp.attention.layout.compact_sorted sorts indices and drops repeats).")
+        if strict and (not _strictly_ascending(blk, blk_valid) or not _strictly_ascending(col, col_valid)):
             raise ValueError("layout indices must be strictly ascending within each query block.")
-        # a column inside a listed block of the same query block would be counted twice
-        col_blk = torch.where(col_valid, col // bs, torch.full_like(col, -2))
-        hit = (col_blk.unsqueeze(-1) == torch.where(blk_valid, blk, -3).unsqueeze(-2)).any(-1)
-        if bool(hit.any()):
-            raise ValueError("layout.col_idx lists a key token that lies inside a listed block of the same query "
-                             "block.")
 
     def to(self, device: torch.device | str) -> SparseLayout:
         """This layout with its index tensors on `device`."""
@@ -423,6 +422,33 @@ def check_attention_inputs(
                                             ("k_meta", k_meta.index)) if t.device != q.device}
     if stray:
         raise ValueError(f"{', '.join(stray)} must be on q's device {q.device}; got {stray} (move them with .to()).")
+
+
+def _repeats(idx: torch.Tensor, valid: torch.Tensor) -> bool:
+    """Whether a row of int64 indices [..., N] lists one of its valid entries twice (in any order)."""
+    if idx.shape[-1] < 2:
+        return False
+    x = torch.where(valid, idx, FAR + torch.arange(idx.shape[-1], device=idx.device)).sort(-1).values
+    return bool((x[..., 1:] == x[..., :-1]).any())
+
+
+def _listed_twice(blk: torch.Tensor, blk_valid: torch.Tensor, col: torch.Tensor, col_valid: torch.Tensor,
+                  block_size: int) -> str | None:
+    """What a layout's (int64) key blocks and columns list twice in one query block, in words, or None: a key
+    block, a column, or a column inside a listed key block. Sorts and searches, linear in the layout's size
+    (up to a log)."""
+    if _repeats(blk, blk_valid):
+        return "a key block twice"
+    if _repeats(col, col_valid):
+        return "a key column twice"
+    if blk.shape[-1] == 0 or col.shape[-1] == 0:
+        return None
+    blocks = torch.where(blk_valid, blk, FAR).sort(-1).values.contiguous()
+    col_blk = torch.where(col_valid, col // block_size, -1).contiguous()
+    at = torch.searchsorted(blocks, col_blk).clamp_max(blocks.shape[-1] - 1)
+    if bool((col_valid & (blocks.gather(-1, at) == col_blk)).any()):
+        return "a key column inside one of its listed key blocks"
+    return None
 
 
 def _strictly_ascending(idx: torch.Tensor, valid: torch.Tensor) -> bool:

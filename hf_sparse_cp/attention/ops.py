@@ -131,8 +131,9 @@ def block_sparse_attention(
             queries and keys at the same positions).
         sliding_window: keys `sliding_window` or more tokens before the query are invisible
             (transformers' convention).
-        check_layout: also check the layout's counts and index ranges (reads it: device synchronizations); the
-            attention backend, whose layouts are correct by construction, turns it off.
+        check_layout: also check the layout's counts, index ranges and that it lists each key once per query block
+            (reads it: device synchronizations); the attention backend, whose layouts are correct by construction,
+            turns it off.
         Under autocast, q, k, v are cast to the autocast dtype (as SDPA takes them) and the
         computation itself runs with autocast off, in the compute dtype.
         implementation: the engine: 'auto' (the faster of the Triton kernels and FlexAttention on CUDA

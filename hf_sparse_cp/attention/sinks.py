@@ -28,5 +28,8 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None)
     sinks. Queries that see no key (lse = -inf, out = 0) stay 0, with zero gradients."""
     if sinks is None:
         return out
-    kept = torch.sigmoid(lse - sinks.to(lse.dtype)[:, None])
+    # sigmoid as exp(logsigmoid): sigmoid's backward, y * (1 - y), loses 1 - y to rounding where the sink's share
+    # exp(sink - lse) is small (in fp32: 6% off at lse - sink = 16, 0 from 17.3 on); logsigmoid's backward computes
+    # that share itself, exact to its last bits, as a softmax over the keys and the sink logit does
+    kept = torch.exp(torch.nn.functional.logsigmoid(lse - sinks.to(lse.dtype)[:, None]))
     return (out.to(lse.dtype) * kept[..., None]).to(out.dtype)

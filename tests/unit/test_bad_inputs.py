@@ -855,6 +855,44 @@ def test_block_sparse_attention_refuses_a_layout_built_for_more_keys_than_it_is_
     assert out.shape == q.shape
 
 
+def _one_row_layout(blocks, cols):
+    """A layout of one row and head over 32 tokens in blocks of 16: per query block its key blocks and columns,
+    kept as given."""
+    import torch
+
+    from hf_sparse_cp.attention.layout import SparseLayout
+
+    pack = lambda rows, width: (torch.tensor([[[r + [-1] * (width - len(r)) for r in rows]]], dtype=torch.int32),
+                                torch.tensor([[[len(r) for r in rows]]], dtype=torch.int32))
+    return SparseLayout(*pack(blocks, 3), *pack(cols, 2), 16)
+
+
+@pytest.mark.parametrize("blocks,cols,what", [
+    ([[0], [0, 0, 1]], [[], []], "a key block twice"),
+    ([[0], [1]], [[], [3, 3]], "a key column twice"),
+    ([[0], [0, 1]], [[], [3]], "a key column inside one of its listed key blocks"),
+], ids=["block", "column", "column-in-block"])
+def test_block_sparse_attention_refuses_a_layout_listing_a_key_twice(blocks, cols, what):
+    """A hand-made layout listing a key twice for one query block was taken: the reference and the kernels counted
+    the key twice in the softmax (out 0.27-0.50 off the layout listing it once), the masked engine once, Flex a
+    repeated block once and a repeated column twice: one layout, other numbers per engine. The call's layout check
+    refuses it, naming the fix; listed in another order, the keys are taken (the engines agree on those)."""
+    import torch
+
+    from hf_sparse_cp import block_sparse_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 32, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    for engine in ("reference", "masked"):
+        with pytest.raises(ValueError, match=re.escape(f"a query block of the layout lists {what}: list each key "
+                                                       "once")):
+            block_sparse_attention(q, k, v, _one_row_layout(blocks, cols), implementation=engine)
+    reordered = [block_sparse_attention(q, k, v, _one_row_layout([[0], [1, 0]], [[], []]), implementation=engine)[0]
+                 for engine in ("reference", "masked")]
+    listed_once = block_sparse_attention(q, k, v, _one_row_layout([[0], [0, 1]], [[], []]))[0]
+    assert all(torch.allclose(out, listed_once, atol=1e-12) for out in reordered)
+
+
 def test_the_example_ends_a_setting_its_trainer_refuses_as_a_bad_flag(tmp_path, capsys, monkeypatch):
     """The example ended what its Trainer refused with `SystemExit("error: ...")`: exit status 1, which a launched run
     reports as a crash (the message from every rank, then torchrun's traceback). It ends as a refused flag now:

@@ -73,6 +73,23 @@ def test_a_sparse_layout_with_sinks_equals_an_explicit_softmax_over_its_keys_in_
     _check(with_sinks(out, lse, sinks), q, k, v, sinks, mask)
 
 
+def test_fp32_sink_gradients_keep_their_precision_where_the_sink_takes_a_small_share():
+    """Where a query's keys outweigh its sink logit (lse - sink large: long contexts), the sink's share of the
+    softmax is small and its gradient with it. sigmoid's backward, y * (1 - y), lost 1 - y to rounding: in fp32 (the
+    compute dtype of bf16 models) the sink gradient was 6% off at lse - sink = 16 and exactly 0 from 17.3 on, where
+    the explicit softmax over the keys and the sink (stock eager) keeps it. fp32 now equals fp64 to fp32 precision."""
+    gaps = torch.tensor([0.0, 5.0, 10.0, 16.0, 18.0, 25.0, 40.0], dtype=torch.float64)
+    out = torch.randn(1, 1, len(gaps), 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    grads = {}
+    for dtype in (torch.float64, torch.float32):
+        sinks, lse = torch.zeros(1, dtype=dtype, requires_grad=True), gaps.to(dtype)[None, None].requires_grad_()
+        kept = with_sinks(out.to(dtype), lse, sinks)
+        grads[dtype] = torch.autograd.grad(kept.sum(), (sinks, lse))
+        assert torch.allclose(kept.double(), out * torch.sigmoid(gaps)[:, None], rtol=1e-6)
+    for got, want in zip(grads[torch.float32], grads[torch.float64]):
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=0), (got, want)
+
+
 def _loss_and_grads(model, ids):
     model.zero_grad()
     loss = model(input_ids=ids, labels=ids).loss

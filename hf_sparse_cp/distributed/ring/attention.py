@@ -333,7 +333,8 @@ def ring_sparse_attention(
         shard: this rank's `CPShard` (from `prepare_context_parallel_inputs`).
         scale: softmax scale (default 1 / sqrt(D)); sliding_window: as in `block_sparse_attention`.
         stats: if given, accumulates this rank's computed steps and bytes sent.
-        check_layout: also check the layout's counts and index ranges (device synchronizations);
+        check_layout: also check the layout's counts, index ranges and that it lists each key once per query
+            block (device synchronizations);
             `context_parallel_attention`, whose layouts are correct by construction, turns it off.
         implementation: the engine of every step ('auto', 'triton', 'flex', 'reference';
             `hf_sparse_cp.attention.engines`), chosen once per call from the global layout.
