@@ -42,7 +42,7 @@ from typing import ClassVar
 import torch
 
 from ..backends import TRITON_INSTALL, choose_backend, is_triton_available, require_triton
-from ..config.engine_registry import ENGINES, engine_settings
+from ..config.registries import ENGINES, engine_settings, register_in
 from .call import AttentionCall
 from .flex import flex_backward, flex_block_sparse_attention, flex_forward, is_flex_available
 from .layout import SparseLayout
@@ -248,16 +248,8 @@ def register_engine(engine: Engine) -> Engine:
     if missing:
         raise TypeError(f"engine {name!r} ({type(engine).__qualname__}) does not implement {', '.join(missing)}: "
                         f"{fix}.")
-    held = ENGINES.get(name)
-    if held is not None and _class_name(held) != _class_name(engine):
-        raise ValueError(f"attention engine {name!r} is already registered ({_class_name(held)}); give "
-                         f"{type(engine).__qualname__} another `name`.")
-    ENGINES[name] = engine
+    register_in(ENGINES, name, engine, "attention engine")
     return engine
-
-
-def _class_name(engine: Engine) -> str:
-    return f"{type(engine).__module__}.{type(engine).__qualname__}"
 
 
 for _engine in (TritonEngine(), FlexEngine(), ReferenceEngine(), MaskedEngine()):  # (the order 'auto' walks)

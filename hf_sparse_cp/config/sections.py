@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .files import FileConfig, check_field_types, close_keys, flag_setting, setting, value_text
+from .registries import register_in
 
 # The mode a config without a budget runs (the sparsest measured setting within 0.5% of dense perplexity).
 DEFAULT_MODE = "mass"
@@ -82,16 +83,8 @@ def register_budget(cls: type[BudgetSection]) -> type[BudgetSection]:
     a built-in mode nor a plug-in's is replaced by accident (a class redefined under its name, a notebook's cell
     run again, replaces its earlier self)."""
     _check_budget_class(cls)
-    held = _BUDGETS.get(cls.mode)
-    if held is not None and _name_of(held) != _name_of(cls):
-        raise ValueError(f"budget mode {cls.mode!r} is already registered ({_name_of(held)}); "
-                         f"give {cls.__qualname__} another `mode`.")
-    _BUDGETS[cls.mode] = cls
+    register_in(_BUDGETS, cls.mode, cls, "budget mode", "mode")
     return cls
-
-
-def _name_of(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _check_budget_class(cls: Any) -> None:

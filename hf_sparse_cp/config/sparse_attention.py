@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from .engine_registry import engine_settings
 from .files import (
     FileConfig,
     check_field_types,
@@ -27,6 +26,7 @@ from .files import (
     value_text,
 )
 from .flat_keys import nested
+from .registries import engine_settings
 from .sections import (
     BudgetSection,
     Scoring,

@@ -10,7 +10,7 @@ from hf_sparse_cp.attention import Engine, register_engine
 from hf_sparse_cp.attention.reference import reference_backward, reference_forward
 from hf_sparse_cp.attention.sequence import sequence_attention
 from hf_sparse_cp.attention.tokens import TokenMeta
-from hf_sparse_cp.config.engine_registry import ENGINES, engine_settings
+from hf_sparse_cp.config.registries import ENGINES, engine_settings
 
 
 class CountingEngine(Engine):

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import torch
 
 from ...config.files import flag_setting
+from ...config.registries import register_in
 
 if TYPE_CHECKING:
     from ...attention.layout import SparseLayout
@@ -123,16 +124,8 @@ def register_cp_mode(mode: CPMode) -> CPMode:
     if not isinstance(name, str) or not name:
         raise ValueError(f"{type(mode).__name__} has no `name` (a class attribute, the --cp_mode value that selects "
                          "it): set one before registering it.")
-    held = _MODES.get(name)
-    if held is not None and _class_name(held) != _class_name(mode):
-        raise ValueError(f"cp_mode {name!r} is already registered ({held!r}, {_class_name(held)}); give "
-                         f"{type(mode).__qualname__} another `name`.")
-    _MODES[name] = mode
+    register_in(_MODES, name, mode, "cp_mode")
     return mode
-
-
-def _class_name(mode: CPMode) -> str:
-    return f"{type(mode).__module__}.{type(mode).__qualname__}"
 
 
 def cp_mode_named(name: str) -> CPMode:
