@@ -5,6 +5,7 @@ their cause and fix."""
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -704,23 +705,30 @@ def test_a_recipe_of_another_kind_is_named_with_the_flag_that_takes_it(capsys, t
     assert "qwen2.5-3b_32k" not in err and "trial" not in err, err
 
 
+def _saved_with_sparse_attention(folder, change) -> Path:
+    """Save a configured tiny model into `folder`, `change` its config.json's mapping in place; the file's path."""
+    import hf_sparse_cp
+
+    hf_sparse_cp.patch()
+    model = _tiny()
+    hf_sparse_cp.configure(model)
+    model.save_pretrained(folder)
+    path = folder / "config.json"
+    saved = json.loads(path.read_text())
+    change(saved)
+    path.write_text(json.dumps(saved))
+    return path
+
+
 @pytest.mark.parametrize("value", ["yes", [1, 2], 3])
 def test_a_saved_model_whose_sparse_attention_key_is_not_a_mapping_is_named(tmp_path, value):
     """Issue #41 item 7: 'dictionary update sequence element #0 ...' at the first forward."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    import hf_sparse_cp
     from hf_sparse_cp import SparseAttentionConfig
 
-    hf_sparse_cp.patch()
-    model = _tiny()
-    hf_sparse_cp.configure(model)
-    model.save_pretrained(tmp_path)
-    path = tmp_path / "config.json"
-    saved = json.loads(path.read_text())
-    saved["sparse_attention"] = value
-    path.write_text(json.dumps(saved))
+    path = _saved_with_sparse_attention(tmp_path, lambda saved: saved.update(sparse_attention=value))
     named = rf"Model config '{re.escape(str(path))}': key 'sparse_attention' holds {re.escape(repr(value))}; it must " \
             r"hold a mapping of sparse attention fields"
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sparse_cp")
@@ -741,17 +749,8 @@ def test_a_saved_model_with_settings_of_a_newer_version_names_the_fixes(tmp_path
     import hf_sparse_cp
     from hf_sparse_cp import SparseAttentionConfig
 
-    hf_sparse_cp.patch()
-    model = _tiny()
-    hf_sparse_cp.configure(model)
-    model.save_pretrained(tmp_path)
-    path = tmp_path / "config.json"
-    saved = json.loads(path.read_text())
-    if change == "key":
-        saved["sparse_attention"]["new_knob"] = 3
-    else:
-        saved["sparse_attention"]["budget"] = {"mode": "newer_mode"}
-    path.write_text(json.dumps(saved))
+    newer = {"key": {"new_knob": 3}, "mode": {"budget": {"mode": "newer_mode"}}}[change]
+    _saved_with_sparse_attention(tmp_path, lambda saved: saved["sparse_attention"].update(newer))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sparse_cp")
     ids = torch.randint(3, 200, (1, 16))
     with pytest.raises(ValueError, match=r"(new_knob|newer_mode).*if a newer hf-sparse-cp saved them, upgrade it \(a "
