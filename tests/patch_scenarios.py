@@ -114,6 +114,16 @@ def resharded_loading() -> Iterator:
             yield
 
 
+def first_rank_rng_loading() -> Iterator:
+    from hf_sparse_cp.trainer.checkpoints import first_rank_rng_loading as loading
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _sparse_trainer(tmp)
+        yield [(trainer, "_load_rng_state")]
+        with loading(trainer):
+            yield
+
+
 def smet() -> Iterator:
     from hf_sparse_cp import install_smet, uninstall_smet
     from hf_sparse_cp.smet import SMETConfig
@@ -350,6 +360,7 @@ ONE_PROCESS = {
     ("transformers.trainer_jit_checkpoint.CheckpointManager._enable_checkpoint",): jit_checkpoint,
     ("transformers.Trainer._load_from_checkpoint", "transformers.Trainer._load_optimizer_and_scheduler"):
         resharded_loading,
+    ("transformers.Trainer._load_rng_state",): first_rank_rng_loading,
     ("transformers.Trainer.optimizer_cls_and_kwargs",): smet,
     ("transformers.PreTrainedModel.forward",): lean_loss,
     (*(f"{module}.{name}.forward" for name, (module, _) in rowwise_classes().items()),

@@ -56,6 +56,7 @@ TRAINER_COLLATOR_WITHOUT_UNUSED = "_get_collator_with_removed_columns"
 TRAINER_LOAD_MODEL = "_load_from_checkpoint"
 TRAINER_LOAD_OPTIMIZER = "_load_optimizer_and_scheduler"
 TRAINER_SAVE_OPTIMIZER = "_save_optimizer_and_scheduler"
+TRAINER_LOAD_RNG = "_load_rng_state"
 
 # What an entry does to its member.
 Action = Literal["reads", "calls", "replaces", "sets", "inserts into"]
@@ -191,6 +192,9 @@ PATCHES = (
           ("self", "resume_from_checkpoint", "model")),
     Patch(_TRAINER, TRAINER_LOAD_OPTIMIZER, "replaces", "while a resume loads the sharded state, the optimizer "
           "comes from it", "the end of `resharded_loading`", ("self", "checkpoint")),
+    Patch(_TRAINER, TRAINER_LOAD_RNG, "replaces", "a resume at another CP or DP degree found no random state saved "
+          "under its process's name (rng_state.pth of one process, rng_state_<rank>.pth of several) and went on "
+          "unseeded: it loads the saved first rank's", "the end of `first_rank_rng_loading`", ("self", "checkpoint")),
     Patch(_TRAINER, "training_step", "replaces", "each training batch's real tokens are counted for the logged "
           "tokens_per_second (`StepMetricsCallback`), and its row length checked against the memory savers set up "
           "(`row_length_watch`), before the Trainer's own step trains on it",

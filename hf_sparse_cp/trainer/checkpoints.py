@@ -25,12 +25,15 @@ samples it trained on before.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
 import logging
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +43,9 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..distributed import ParallelDims
+from ..integration import compat
 from ..integration.architectures import transformers_release
-from ..integration.patching import PatchSet
+from ..integration.patching import PatchSet, temporarily
 from ..resharding.resume import SHARDED_STATE, has_sharded_state, resharded_loading, runs_fsdp2, sharded_saving
 from ..smet.factory import SMETOptimizerFactory
 from .arguments import flag_errors
@@ -400,6 +404,38 @@ def check_optimizer_resumable(trainer: Trainer) -> None:
         "(--fsdp, which loads the sharded state), or resume in one process.")
 
 
+def _other_layout(saved: dict[str, Any], settings: dict[str, Any]) -> bool:
+    """Whether a checkpoint saved with `saved` settings resumes at another CP / DP degree (world size) than
+    `settings`'."""
+    return any(key in saved and key in settings and saved[key] != settings[key] for key in _RESHARDABLE)
+
+
+@contextlib.contextmanager
+def first_rank_rng_loading(trainer: Trainer) -> Iterator[None]:
+    """While it is open, a resume loads the random state (torch's, Python's, numpy's, the accelerator's) that the saved
+    run's first process saved, on every process. The Trainer reads the file of its own process name (rng_state.pth in
+    one process, rng_state_<rank>.pth in several), which a checkpoint saved at another CP or DP degree may not hold: it
+    then resumed with the generators as the run's start left them, and a collator's crops or NEFTune's noise went on
+    otherwise than the uninterrupted run's (#50). The first process's is every CP rank's (each step's batches start
+    from the CP group's first rank's, `follow_first_ranks_generators`), and one process's."""
+    compat.require(f"transformers.Trainer.{compat.TRAINER_LOAD_RNG}")
+    load = getattr(trainer, compat.TRAINER_LOAD_RNG)
+
+    def load_first_ranks(checkpoint):
+        saved = [] if checkpoint is None else [path for name in ("rng_state.pth", "rng_state_0.pth")
+                                               if (path := Path(checkpoint) / name).is_file()]
+        if not saved:
+            return load(checkpoint)
+        args = trainer.args
+        name = f"rng_state_{args.process_index}.pth" if args.world_size > 1 else "rng_state.pth"
+        with tempfile.TemporaryDirectory() as folder:  # (the Trainer's own loader, for every device's generator)
+            shutil.copyfile(saved[0], os.path.join(folder, name))
+            return load(folder)
+
+    with temporarily(trainer, compat.TRAINER_LOAD_RNG, load_first_ranks):
+        yield
+
+
 def _as_flag(resume_from_checkpoint: str | bool | None) -> str | bool | None:
     """`--resume_from_checkpoint true` (or false) as the Trainer's `True` (`False`), unless a folder has that name: a
     script hands `train()` the string it parsed (`TrainingArguments.resume_from_checkpoint` is a str), which the Trainer
@@ -446,10 +482,13 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
                     check_optimizer_resumable(trainer)
             if folder:
                 resume_step_metrics(trainer, marker)
-            if reshard:
-                with resharded_loading(trainer):
-                    return train(resume_from_checkpoint, *args, **kwargs)
-            return train(resume_from_checkpoint, *args, **kwargs)
+            with contextlib.ExitStack() as loading:
+                if reshard:
+                    loading.enter_context(resharded_loading(trainer))
+                if marker is not None and _other_layout(marker.get("settings", {}),
+                                                        run_settings(trainer, parallel, cp_schedule)):
+                    loading.enter_context(first_rank_rng_loading(trainer))
+                return train(resume_from_checkpoint, *args, **kwargs)
         except Exception as e:
             saving = Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
             why = failed_save(saving, e)
