@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
-from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE
+from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed import quiesce_process_groups, settle_gloo_workers
 from ..distributed.mesh import every_rank_at_exit
 from ..integration import compat
@@ -335,8 +335,16 @@ class SparseTrainerMixin:
         """Switch `model` to the sparse backend with the run's pattern; with `--sparse_attention false`, refuse one
         that runs it and say that a saved sparse pattern goes unused."""
         if args.sparse_attention:
-            enable_sparse_attention(model, args.plugin_arguments(), args.pattern_flags(), args, self.max_length,
-                                    explicit=args.explicit_flags, packed_documents=self._packed_documents)
+            saved = _stored_pattern(model)
+            config = enable_sparse_attention(model, args.plugin_arguments(), args.pattern_flags(), args,
+                                             self.max_length, explicit=args.explicit_flags,
+                                             packed_documents=self._packed_documents)
+            if saved is not None and saved != config:
+                logger.warning("The model's config holds a sparse attention pattern (%s: saved by an hf-sparse-cp "
+                               "run, or set by hf_sparse_cp.configure) that this run replaces with the pattern of its "
+                               "flags and --sparse_config, which differs in %s. To train with the model's pattern, "
+                               "pass --sparse_config <the model's folder>/config.json.", MODEL_CONFIG_ATTRIBUTE,
+                               ", ".join(_differing_fields(saved.to_dict(), config.to_dict())))
             return
         _refuse_sparse_model_with_switch_off(model)
         if getattr(getattr(model, "config", None), MODEL_CONFIG_ATTRIBUTE, None):
@@ -528,3 +536,24 @@ def _ending_on_an_exception() -> bool:
     `sys.last_value`) as it prints it, before the exit handlers run; or on a failing `sys.exit` the launcher saw
     (`note_failing_exit`), which python does not record."""
     return bool(_failing_exit) or getattr(sys, "last_exc", getattr(sys, "last_value", None)) is not None
+
+
+def _stored_pattern(model: torch.nn.Module) -> SparseAttentionConfig | None:
+    """The sparse pattern the model's config holds (a saved run's, or `configure`'s), or None where it holds none or
+    none this installation reads (the run's pattern replaces it either way)."""
+    try:
+        return SparseAttentionConfig.stored_on(getattr(model, "config", None))
+    except ValueError:
+        return None
+
+
+def _differing_fields(before: dict, after: dict, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two nested pattern dicts, as `name: before -> after`."""
+    fields = []
+    for key in sorted(before.keys() | after.keys(), key=str):
+        a, b = before.get(key), after.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            fields += _differing_fields(a, b, f"{prefix}{key}.")
+        elif a != b:
+            fields.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return fields
