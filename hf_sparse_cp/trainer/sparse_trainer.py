@@ -268,6 +268,24 @@ def _refuse_empty_datasets(trainer: str, kwargs: dict[str, Any]) -> None:
             raise ValueError(f"{trainer}: {name} is empty (0 samples): {fix}.")
 
 
+def _refuse_dequantized_gguf(trainer: str, model: Any) -> None:
+    """Raise ValueError naming the fix for a model loaded from a GGUF file with its weights dequantized: transformers
+    still marks it quantized, and the Trainer refuses it with advice that does not apply (attach adapters: with a
+    LoRA adapter it is refused too, as a method that does not train)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    config = getattr(quantizer, "quantization_config", None)
+    # (dequantized where every weight loaded as a float tensor: transformers' own loader of the architecture, or
+    # without the GGUF kernels; weights it keeps packed, in GGUF modules, do not train, and the Trainer says so)
+    if (getattr(config, "quant_method", None) != "gguf" or getattr(quantizer, "packed_modules", None)
+            or not all(p.is_floating_point() for p in model.parameters())):
+        return
+    raise ValueError(
+        f"{trainer}: this model was loaded from a GGUF file (from_pretrained(..., gguf_file=...)); its weights are "
+        "dequantized to floats and train, but transformers still marks the model quantized, which the Trainer "
+        "refuses. Call `model.hf_quantizer.remove_quantization_config(model)` after loading (before attaching a "
+        "LoRA adapter), as `hf-sparse-cp train --model_name_or_path <file>.gguf` does.")
+
+
 # TRL SFTConfig's packing settings (`_packing_kept_under_accelerates_cp`)
 _TRL_PACKING = ("packing", "eval_packing")
 
@@ -306,6 +324,7 @@ class SparseTrainerMixin:
                 "with HfArgumentParser(sparse_arguments_class(ThatClass)).")
         with flag_errors():  # (the user's: a launched script ends with the message alone)
             _refuse_empty_datasets(type(self).__name__, kwargs)
+            _refuse_dequantized_gguf(type(self).__name__, model)
         longest_stage = max((s.seq_len for s in parse_schedule(args.cp_schedule)), default=None) if (
             args.cp_schedule) else None
         self._length_set = args.sequence_length or longest_stage
