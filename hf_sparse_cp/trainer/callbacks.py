@@ -40,6 +40,12 @@ class SparsityLoggingCallback(TrainerCallback):
     reporting callbacks (TensorBoard, W&B) so they see the keys: `attach_to_trainer` puts it first.
     """
 
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        # Forwards before train() (a check of the loaded model, a generation) left their sums on the layers, which
+        # the end of training's log then showed as the run's (1.0 for a dense check where the steps kept 0.55).
+        if model is not None:
+            pop_kept_fractions(model)
+
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
         if logs is None or model is None:
             return

@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
-from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE
+from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed import quiesce_process_groups, settle_gloo_workers
 from ..distributed.mesh import every_rank_at_exit
 from ..integration import compat
@@ -268,6 +268,24 @@ def _refuse_empty_datasets(trainer: str, kwargs: dict[str, Any]) -> None:
             raise ValueError(f"{trainer}: {name} is empty (0 samples): {fix}.")
 
 
+def _refuse_dequantized_gguf(trainer: str, model: Any) -> None:
+    """Raise ValueError naming the fix for a model loaded from a GGUF file with its weights dequantized: transformers
+    still marks it quantized, and the Trainer refuses it with advice that does not apply (attach adapters: with a
+    LoRA adapter it is refused too, as a method that does not train)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    config = getattr(quantizer, "quantization_config", None)
+    # (dequantized where every weight loaded as a float tensor: transformers' own loader of the architecture, or
+    # without the GGUF kernels; weights it keeps packed, in GGUF modules, do not train, and the Trainer says so)
+    if (getattr(config, "quant_method", None) != "gguf" or getattr(quantizer, "packed_modules", None)
+            or not all(p.is_floating_point() for p in model.parameters())):
+        return
+    raise ValueError(
+        f"{trainer}: this model was loaded from a GGUF file (from_pretrained(..., gguf_file=...)); its weights are "
+        "dequantized to floats and train, but transformers still marks the model quantized, which the Trainer "
+        "refuses. Call `model.hf_quantizer.remove_quantization_config(model)` after loading (before attaching a "
+        "LoRA adapter), as `hf-sparse-cp train --model_name_or_path <file>.gguf` does.")
+
+
 # TRL SFTConfig's packing settings (`_packing_kept_under_accelerates_cp`)
 _TRL_PACKING = ("packing", "eval_packing")
 
@@ -306,6 +324,7 @@ class SparseTrainerMixin:
                 "with HfArgumentParser(sparse_arguments_class(ThatClass)).")
         with flag_errors():  # (the user's: a launched script ends with the message alone)
             _refuse_empty_datasets(type(self).__name__, kwargs)
+            _refuse_dequantized_gguf(type(self).__name__, model)
         longest_stage = max((s.seq_len for s in parse_schedule(args.cp_schedule)), default=None) if (
             args.cp_schedule) else None
         self._length_set = args.sequence_length or longest_stage
@@ -335,8 +354,16 @@ class SparseTrainerMixin:
         """Switch `model` to the sparse backend with the run's pattern; with `--sparse_attention false`, refuse one
         that runs it and say that a saved sparse pattern goes unused."""
         if args.sparse_attention:
-            enable_sparse_attention(model, args.plugin_arguments(), args.pattern_flags(), args, self.max_length,
-                                    explicit=args.explicit_flags, packed_documents=self._packed_documents)
+            saved = _stored_pattern(model)
+            config = enable_sparse_attention(model, args.plugin_arguments(), args.pattern_flags(), args,
+                                             self.max_length, explicit=args.explicit_flags,
+                                             packed_documents=self._packed_documents)
+            if saved is not None and saved != config:
+                logger.warning("The model's config holds a sparse attention pattern (%s: saved by an hf-sparse-cp "
+                               "run, or set by hf_sparse_cp.configure) that this run replaces with the pattern of its "
+                               "flags and --sparse_config, which differs in %s. To train with the model's pattern, "
+                               "pass --sparse_config <the model's folder>/config.json.", MODEL_CONFIG_ATTRIBUTE,
+                               ", ".join(_differing_fields(saved.to_dict(), config.to_dict())))
             return
         _refuse_sparse_model_with_switch_off(model)
         if getattr(getattr(model, "config", None), MODEL_CONFIG_ATTRIBUTE, None):
@@ -528,3 +555,24 @@ def _ending_on_an_exception() -> bool:
     `sys.last_value`) as it prints it, before the exit handlers run; or on a failing `sys.exit` the launcher saw
     (`note_failing_exit`), which python does not record."""
     return bool(_failing_exit) or getattr(sys, "last_exc", getattr(sys, "last_value", None)) is not None
+
+
+def _stored_pattern(model: torch.nn.Module) -> SparseAttentionConfig | None:
+    """The sparse pattern the model's config holds (a saved run's, or `configure`'s), or None where it holds none or
+    none this installation reads (the run's pattern replaces it either way)."""
+    try:
+        return SparseAttentionConfig.stored_on(getattr(model, "config", None))
+    except ValueError:
+        return None
+
+
+def _differing_fields(before: dict, after: dict, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two nested pattern dicts, as `name: before -> after`."""
+    fields = []
+    for key in sorted(before.keys() | after.keys(), key=str):
+        a, b = before.get(key), after.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            fields += _differing_fields(a, b, f"{prefix}{key}.")
+        elif a != b:
+            fields.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return fields

@@ -74,3 +74,32 @@ def test_training_and_evaluation_logs_keep_their_own_calls():
     summary = {"train_runtime": 1.0, "train_loss": 1.0}
     callback.on_log(args, TrainerState(), None, logs=summary, model=attention)
     assert abs(summary["sparse/kept_fraction"] - 0.5) < 1e-9
+
+
+def test_forwards_before_training_are_no_part_of_its_logs():
+    """A forward before `train()` (checking the loaded model with the dense pattern, generating) left its kept fraction
+    on the layers: SmolLM2 trained at 0.55 while its end of training's log said 1.0 for every layer. The start of
+    training drops those sums."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import TrainerState
+
+    from hf_sparse_cp.integration.stats import record_kept_fraction
+    from hf_sparse_cp.trainer.callbacks import SparsityLoggingCallback
+
+    attention = torch.nn.Module()
+    attention.layer_idx = 0
+    args, callback = SimpleNamespace(device=torch.device("cpu")), SparsityLoggingCallback()
+    attention.eval()
+    record_kept_fraction(attention, torch.tensor(1.0))  # the user's check before training, dense
+    attention.train()
+    record_kept_fraction(attention, torch.tensor(0.7))  # a forward in training mode before train(), too
+    callback.on_train_begin(args, TrainerState(), None, model=attention)
+    record_kept_fraction(attention, torch.tensor(0.5))  # the one training step
+    training = {"loss": 1.0}
+    callback.on_log(args, TrainerState(), None, logs=training, model=attention)
+    summary = {"train_runtime": 1.0, "train_loss": 1.0}
+    callback.on_log(args, TrainerState(), None, logs=summary, model=attention)
+    assert abs(training["sparse/kept_fraction"] - 0.5) < 1e-9
+    assert "sparse/kept_fraction" not in summary  # no call since the last training log

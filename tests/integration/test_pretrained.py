@@ -179,6 +179,32 @@ def test_the_example_fine_tunes_the_gguf_model_with_the_trainer(smollm2, tmp_pat
     assert weights.keys() == original.keys() and any(not torch.equal(t, weights[n]) for n, t in original.items())
 
 
+def test_a_model_loaded_from_the_gguf_file_is_refused_naming_the_fix(smollm2, tmp_path):
+    """SmolLM2 loaded as a new user loads a GGUF file (`from_pretrained(folder, gguf_file=...)`) holds fp32 weights,
+    yet stays marked quantized: SparseTrainer failed in the Trainer's "fine-tuning on purely quantized models",
+    advising adapters (which it refuses too, GGUF being no trainable method). The refusal names the call that the
+    example makes; after it the model trains."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+
+    path = pretrained.model_file()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    ids = pretrained.text_token_ids(smollm2[0], 64)[0]
+    args = SparseTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=1,
+                                   per_device_train_batch_size=1, save_strategy="no")
+    rows = [{"input_ids": ids, "labels": ids}]
+    try:
+        with pytest.raises(ValueError, match=r"loaded from a GGUF file .* Call `model\.hf_quantizer\."
+                                             r"remove_quantization_config\(model\)` after loading"):
+            SparseTrainer(model=model, args=args, train_dataset=rows)
+        model.hf_quantizer.remove_quantization_config(model)
+        SparseTrainer(model=model, args=args, train_dataset=rows)
+    finally:
+        hf_sparse_cp.unpatch()
+
+
 @pytest.mark.parametrize("flags, dtype", [([], torch.float32), (["--bf16", "true"], torch.bfloat16),
                                           (["--bf16", "true", "--model_dtype", "float32"], torch.float32)])
 def test_the_example_loads_a_pretrained_model_in_fp32_unless_bf16_is_asked_for(smollm2, tmp_path, flags, dtype):

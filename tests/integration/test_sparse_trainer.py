@@ -318,6 +318,34 @@ def test_a_saved_sparse_pattern_that_a_run_ignores_is_logged(tmp_path, caplog):
     assert "ignores" not in caplog.text  # nothing ignored, nothing said
 
 
+def test_a_saved_sparse_pattern_that_a_run_replaces_is_logged_with_the_fix(tmp_path, caplog):
+    """A model saved by a sparse run (SmolLM2 with dense_first_layers 0, a local window of 32), trained on with
+    `hf-sparse-cp train --model_name_or_path <folder>`, trained with the default pattern for every field its flags did
+    not give (layer 0 dense, a window of 128: 0.98 of the blocks kept where the saved pattern kept 0.55), without a
+    word. The run says which fields it replaces and how to keep them; the saved config.json as --sparse_config keeps
+    them, and says nothing."""
+    from hf_sparse_cp.config import SparseAttentionConfig
+
+    model = _model()
+    saved = SparseAttentionConfig(min_seq_len=128, block_size=32, vertical_topk=8, slash_topk=8, local_window=32,
+                                  sink_tokens=4, last_q=16, dense_first_layers=0)
+    hf_sparse_cp.configure(model, saved, select=False)
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    with caplog.at_level("WARNING"):
+        SparseTrainer(model=reloaded, args=_args(tmp_path, *PATTERN), train_dataset=_rows())
+    assert ("The model's config holds a sparse attention pattern (sparse_attention: saved by an hf-sparse-cp run, or "
+            "set by hf_sparse_cp.configure) that this run replaces with the pattern of its flags and --sparse_config, "
+            "which differs in dense_first_layers: 0 -> 1. To train with the model's pattern, pass --sparse_config "
+            "<the model's folder>/config.json." in caplog.text)
+    caplog.clear()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    with caplog.at_level("WARNING"):
+        trainer = SparseTrainer(model=reloaded, train_dataset=_rows(),
+                                args=_args(tmp_path, "--sparse_config", str(tmp_path / "saved" / "config.json")))
+    assert SparseAttentionConfig.stored_on(trainer.model.config) == saved and "replaces" not in caplog.text
+
+
 def test_every_training_log_has_tokens_per_second_and_peak_memory(tmp_path):
     """Issue #52: the speed and memory TRL and axolotl users read, in the Trainer's logs (so in every --report_to):
     real tokens only (the padding of a masked row is not counted), and DDP told that every parameter is used."""
