@@ -15,6 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The lengths from which training turns token tiles and gradient checkpointing on by default (the plugin's
+# --sparse_token_tiling_min_length and --sparse_gradient_checkpointing_min_length), which the memory and simulate
+# commands predict with by default too.
+TILING_MIN_LENGTH = 32768
+CHECKPOINTING_MIN_LENGTH = 16384
+
 
 @dataclass(frozen=True)
 class MemorySavers:

@@ -22,6 +22,7 @@ from huggingface_hub.errors import StrictDataclassError
 from ..config.files import adapter_base, did_you_mean
 from ..distributed.cp_config import ContextParallelConfig
 from ..distributed.modes import CPMode, cp_modes
+from ..memory.savers import CHECKPOINTING_MIN_LENGTH
 from .shapes import DECODER_FIELDS, ModelShape, check_decoder_sizes
 from .simulate import Cluster, Link
 from .step_model import CLUSTERS, HARDWARE, PEAK_TFLOPS, Hardware
@@ -350,9 +351,6 @@ def cluster_of(args: argparse.Namespace) -> tuple[Cluster, Callable[..., Hardwar
     return cluster, hardware
 
 
-# Training's default `--sparse_gradient_checkpointing_min_length` (`SparseTrainingArguments`): gradient checkpointing
-# from this length on.
-DEFAULT_CHECKPOINTING_MIN_LENGTH = 16384
 # Training's name of --gradient-checkpointing-min-length, which the commands take too (`FlagParser` aliases).
 CHECKPOINTING_ALIAS = {"--sparse_gradient_checkpointing_min_length": "--gradient-checkpointing-min-length"}
 
@@ -360,7 +358,7 @@ CHECKPOINTING_ALIAS = {"--sparse_gradient_checkpointing_min_length": "--gradient
 def add_checkpointing_argument(p: argparse.ArgumentParser) -> None:
     """--gradient-checkpointing-min-length: the length from which a step is predicted with gradient checkpointing, as
     training switches it on (training's flag name is taken too: `CHECKPOINTING_ALIAS`)."""
-    p.add_argument("--gradient-checkpointing-min-length", type=at_least(0), default=DEFAULT_CHECKPOINTING_MIN_LENGTH,
+    p.add_argument("--gradient-checkpointing-min-length", type=at_least(0), default=CHECKPOINTING_MIN_LENGTH,
                    help="Gradient checkpointing from this length on, as the plugin's "
                    "--sparse_gradient_checkpointing_min_length (which is taken too): shorter sequences keep every "
                    "layer's activations to its backward and run its forward once; 1: every length (the Trainer's "

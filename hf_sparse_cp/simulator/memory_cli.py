@@ -20,7 +20,7 @@ from pathlib import Path
 from ..config import SparseAttentionConfig
 from ..config.model_fields import LEAN_LOSS_FAMILIES
 from ..distributed.split.documents import PlannerCosts
-from ..memory.savers import MemorySavers
+from ..memory.savers import TILING_MIN_LENGTH, MemorySavers
 from ..recipes import pattern_path
 from .arguments import (
     CHECKPOINTING_ALIAS,
@@ -53,7 +53,7 @@ from .memory_model import (
 # The answers are lengths of a multiple of this many tokens per rank (the shortest one tried).
 GRANULARITY = 1024
 # The plugin's defaults (`SparseCPArguments`): token tiles from this length on, in tiles of this many tokens.
-DEFAULT_TILING_MIN_LENGTH = 32768
+DEFAULT_TILING_MIN_LENGTH = TILING_MIN_LENGTH
 DEFAULT_TILE_TOKENS = MemorySavers().tile_tokens
 _UNITS = {"": 10**9, "gb": 10**9, "gib": 2**30, "mb": 10**6, "mib": 2**20, "tb": 10**12, "tib": 2**40}
 

@@ -37,7 +37,7 @@ from ..config.sections import (
     scoring_from,
 )
 from ..config.sparse_attention import MIN_BLOCK_SIZE
-from ..memory import MemorySavers
+from ..memory import CHECKPOINTING_MIN_LENGTH, TILING_MIN_LENGTH, MemorySavers
 from ..recipes import pattern_path
 from ..scoped import scoped
 from ..smet import SMETConfig
@@ -95,12 +95,12 @@ class SparseCPArguments(KnownKeywords):
                   "that work in the model it compiles whole. The start-up line says what runs."},
     )
     sparse_gradient_checkpointing_min_length: int = field(
-        default=16384,
+        default=CHECKPOINTING_MIN_LENGTH,
         metadata={"help": "Turn gradient checkpointing on when the training sequence length is at least this "
                   "(0 disables the automatic switch)."},
     )
     sparse_token_tiling_min_length: int = field(
-        default=32768,
+        default=TILING_MIN_LENGTH,
         metadata={"help": "Compute every decoder layer's MLP and RMSNorms in token tiles (--sparse_token_tile_size) "
                   "when the training sequence length is at least this (0 never): exact, one more MLP forward per "
                   "layer, and no [tokens, intermediate] activation kept (`hf-sparse-cp memory` shows what it saves)."},
