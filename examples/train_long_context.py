@@ -69,7 +69,7 @@ from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import check_buildable, passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.launch.processes import LAUNCHER_OPTIONS, recipe_kind, wrong_kind
-from hf_sparse_cp.launch.refusals import REFUSED, end_refused, exit_refused
+from hf_sparse_cp.launch.refusals import REFUSED, command_name, end_refused, exit_refused
 from hf_sparse_cp.recipes import RECIPE_SUFFIXES, recipe_path
 from hf_sparse_cp.simulator.arguments import check_output_file, write_output
 from hf_sparse_cp.testing.tiny_models import tiny_config
@@ -428,13 +428,18 @@ def with_current_names(argv: list[str]) -> list[str]:
     return out
 
 
+def _prog() -> str:
+    """What this job's help and refusals call it: `hf-sparse-cp train` where that command ran it."""
+    return command_name(Path(__file__).name)
+
+
 def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
     """(script, training, sparse, pattern, cp, smet, explicit): a recipe file if the first argument is
     one, then the remaining flags (later ones win), over the defaults (the demo job's without a recipe
     and a pretrained model, the library's otherwise); `explicit`: the fields the two set. `prog`: the name
-    its help and errors give (argparse's default: the running script's)."""
+    its help and errors give (by default the command that ran it, `hf-sparse-cp train`, else this file's)."""
     common, other = help_groups(SparseTrainingArguments, COMMON_FLAGS)  # --help: the common flags first
-    parser = _Parser((common, ScriptArguments, other), prog=prog, description=DESCRIPTION)
+    parser = _Parser((common, ScriptArguments, other), prog=prog or _prog(), description=DESCRIPTION)
     try:
         argv, recipe = take_recipe(list(argv))
         from_recipe = 0  # (the first arguments: the recipe's flags)
@@ -621,7 +626,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     try:
         trainer = build_trainer(script, training, callbacks=[first_and_last])
     except ValueError as e:  # a setting this model or data cannot run with; the message names the fix: as a bad
-        end_refused(Path(__file__).name, e)  # flag ends, once (not from every rank), exit status 2, no traceback
+        end_refused(_prog(), e)  # flag ends, once (not from every rank), exit status 2, no traceback
     parallel = trainer.parallel
     result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     if script.save_final_model:

@@ -264,6 +264,7 @@ def _train(argv: list[str]) -> int:
         refuse_unlaunchable,
         refuse_unrunnable_config,
     )
+    from hf_sparse_cp.launch.refusals import running_as
 
     parser = launcher_options("hf-sparse-cp train", TRAIN_USAGE)
     options, rest = parse_launcher_options(parser, argv)
@@ -276,8 +277,8 @@ def _train(argv: list[str]) -> int:
         from hf_sparse_cp.examples import train_long_context as example
         from hf_sparse_cp.trainer.plugin_arguments import parsing_for_launch
 
-        with parsing_for_launch(processes):
-            parsed = example.parse_args(rest, prog=os.path.basename(example.__file__))  # (each process's name)
+        with parsing_for_launch(processes), running_as("hf-sparse-cp train"):
+            parsed = example.parse_args(rest)
         refuse_unlaunchable(parser, parsed.training, processes, options.accelerate_config)
         if parsed.script.model_name_or_path:  # (each process checks it as it loads the model: a folder not there)
             try:
@@ -285,7 +286,8 @@ def _train(argv: list[str]) -> int:
             except ValueError as e:
                 parser.error(str(e))
         refuse_unrunnable_config(parser, options)
-    return launch(options, ["-m", EXAMPLE_MODULE, *rest], _run_here)
+    with running_as("hf-sparse-cp train"):  # (the example's help and refusals, here and in each process)
+        return launch(options, ["-m", EXAMPLE_MODULE, *rest], _run_here)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,7 +37,7 @@ from hf_sparse_cp.launch.launched import (
     no_trainer_warning,
     plugin_flags_in,
 )
-from hf_sparse_cp.launch.refusals import end_refused, exit_refused
+from hf_sparse_cp.launch.refusals import command_name, end_refused, exit_refused
 from hf_sparse_cp.trainer.arguments import is_flag_error
 from hf_sparse_cp.trainer.sparse_trainer import note_failing_exit
 
@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             if not is_flag_error(e):  # (a bug keeps its traceback)
                 raise
             # a setting refused against the script's model, data or Trainer, naming the fix: as a bad flag, once
-            end_refused(script_name(target, is_module), e)
+            end_refused(command_name(script_name(target, is_module)), e)
         except KeyboardInterrupt:  # (Ctrl-C, which reaches every rank: one line says so, not a traceback per rank)
             note_failing_exit(INTERRUPTED)  # (a rank the signal reached alone must not wait at the exit barrier)
             end_interrupted(run.output_dirs)

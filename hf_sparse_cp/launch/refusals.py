@@ -22,12 +22,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from typing import NoReturn
 
 # argparse's status for a bad flag (an uncaught exception ends a process with 1)
@@ -38,6 +40,28 @@ LAUNCHERS = {"torchrun": "torch.distributed.run", "accelerate": "accelerate.comm
 REPORTS_ENV = "HF_SPARSE_CP_REPORTS"
 # The file in that folder that says a process ended refused (written before its teardown)
 REFUSED_MARKER = "refused"
+# The command a user typed to run a program of ours (`hf-sparse-cp train` runs the example), set by that command for
+# the processes it starts: the program's help and refusals name it, not the module's file, which is no command
+COMMAND_ENV = "HF_SPARSE_CP_COMMAND"
+
+
+def command_name(default: str) -> str:
+    """The name a program's help and refusals give: the command that ran it (`COMMAND_ENV`), else `default`."""
+    return os.environ.get(COMMAND_ENV) or default
+
+
+@contextlib.contextmanager
+def running_as(command: str) -> Iterator[None]:
+    """Within it, what runs here or in the processes started here is `command` to its user (`command_name`)."""
+    before = os.environ.get(COMMAND_ENV)
+    os.environ[COMMAND_ENV] = command
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(COMMAND_ENV, None)
+        else:
+            os.environ[COMMAND_ENV] = before
 
 
 def first_to_report(message: str) -> bool:

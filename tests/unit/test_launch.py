@@ -4,6 +4,7 @@ the run transformers is stock (issue #42)."""
 
 import dataclasses
 import json
+import os
 import re
 import sys
 import textwrap
@@ -697,8 +698,8 @@ def test_a_cp_degree_the_launched_processes_cannot_run_is_refused_before_they_st
     assert refused.value.code == 2 and not started
     err = capsys.readouterr().err
     stage = "--cp_schedule stage 1 (5:128:3): " if "--cp_schedule" in argv else ""  # (the stage refused, named)
-    # (the example's schedule is refused by its own parse, as its other stage refusals are)
-    prog = "train_long_context.py" if stage and argv[0] == "train" else f"hf-sparse-cp {argv[0]}"
+    # (the example's schedule is refused by its own parse, as its other stage refusals are, under the command's name)
+    prog = f"hf-sparse-cp {argv[0]}"
     assert (f"{prog}: error: {stage}cp_size=3 does not divide the world size 2 (the number of "
             "processes)") in err
     assert "launch a multiple of 3 processes" in err and "Traceback" not in err
@@ -949,10 +950,34 @@ def test_a_bad_flag_of_the_example_prints_a_short_usage_not_every_flag(started, 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     err = _refused(capsys, ["train", "--nproc", nproc, "--sparse_vertical_topk", "abc"], cli.main)
     assert not started
-    prog = "train_long_context.py"  # (the example's name, in this process and before launching several)
+    prog = "hf-sparse-cp train"  # (the command typed, in this process and before launching several)
     assert err.splitlines() == [f"usage: {prog} [FLAGS] ({prog} --help lists them)",
                                 f"{prog}: error: argument --sparse_vertical_topk/--sparse-vertical-topk: invalid int "
                                 "value: 'abc'"], err
+
+
+def test_the_example_run_by_hf_sparse_cp_train_goes_by_that_name_in_its_processes(monkeypatch, tmp_path, capsys):
+    """`hf-sparse-cp train` runs the example module: its help, usage and refusals said `train_long_context.py`, a
+    file its user never typed (and 'train_long_context.py --help lists them', no command). They name the command,
+    in the processes it starts (`COMMAND_ENV` as they start) and for a refusal of the model it builds in this
+    process; the name is this command's only while it runs."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+    from hf_sparse_cp.launch.refusals import COMMAND_ENV
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv(COMMAND_ENV, raising=False)
+    names = []
+    monkeypatch.setattr(processes, "run_forwarding_signals",
+                        lambda command, env=None: names.append((env or os.environ).get(COMMAND_ENV)) or 0)
+    assert cli.main(["train", "--nproc", "2", "--sparse_max_length", "256"]) == 0
+    assert names == ["hf-sparse-cp train"] and COMMAND_ENV not in os.environ
+    job = ["--sparse_max_length", "256", "--max_steps", "1", "--num_samples", "1", "--tiny_num_layers", "1",
+           "--output_dir", str(tmp_path), "--sparse_layer_overrides", '{"5-10": {"pattern": "dense"}}']
+    err = _refused(capsys, ["train", *job], cli.main)
+    assert re.search(r"(^|\n)hf-sparse-cp train: error: ", err) and "reaches past the model's 1 layers" in err, err
+    assert COMMAND_ENV not in os.environ
 
 
 def test_a_script_loads_its_model_with_attn_implementation_sparse_cp():
