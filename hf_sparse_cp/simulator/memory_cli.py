@@ -290,20 +290,15 @@ def _shortest_fix(args: argparse.Namespace, arch: Architecture) -> tuple[int, Me
     that it outgrows: the model's state (FSDP shards it), or the terms of the sequence (at a high CP degree the
     shortest length is long: attention layouts span every key block of it)."""
     shortest = GRANULARITY * args.cp
-    est = predict_step_memory(arch, shortest, settings_for_length(args, arch)(shortest))
+    settings = settings_for_length(args, arch)(shortest)
+    est = predict_step_memory(arch, shortest, settings)
     state = sum(b for t, b in est.terms().items() if t in MODEL_STATE_TERMS)
     if state >= est.peak_bytes / 2:  # (the model's state is most of the peak)
         fixes = [f"shard the model's state over more ranks (--fsdp {max(2 * args.fsdp, args.cp)})"] + (
-            ["train a model loaded in bf16 (--no-master-weights)"] if _autocast(args) else [])
+            ["train a model loaded in bf16 (--no-master-weights)"] if settings.autocast else [])
         return shortest, est, f"{', '.join(fixes)} or use a larger GPU"
     fewer = f"fewer CP ranks (--cp {args.cp // 2}) try shorter sequences, or " if args.cp > 1 else ""
     return shortest, est, f"mostly for the sequence: {fewer}use a larger GPU"
-
-
-def _autocast(args: argparse.Namespace) -> bool:
-    """Whether the step computes in a lower precision than its fp32 weights (--master-weights, a 16-bit --dtype):
-    float32 compute has no autocast, whatever --master-weights says."""
-    return args.master_weights and args.dtype != "float32"
 
 
 def _nothing_fits(args: argparse.Namespace, arch: Architecture, budget: float) -> str:
@@ -369,7 +364,7 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
     where = f"CP {args.cp}" + (f" ({mode.name}{heads})" if args.cp > 1 else "") + \
         (f", FSDP {args.fsdp}" if args.fsdp > 1 else "")
     precision = (f"fp32 weights + {args.dtype} autocast (the Trainer's mixed precision; --no-master-weights: all "
-                 f"{args.dtype})" if _autocast(args) else f"all {args.dtype} (a model loaded in {args.dtype})")
+                 f"{args.dtype})" if settings(1).autocast else f"all {args.dtype} (a model loaded in {args.dtype})")
     print(f"{report['model']} ({_parameters(arch.params)} parameters), {precision}, {args.optimizer}, {where}, one GPU "
           f"of {_gb(capacity)} ({_gb(budget)} usable). Predictions of hf_sparse_cp.simulator.memory_model, not "
           "measurements.")
