@@ -214,16 +214,23 @@ class SparseAttentionConfig(FileConfig):
         """Overrides as (first_layer, last_layer, fields), validated."""
         names = set(self.keys()) - {"layer_overrides", "dense_first_layers"}
         parsed = []
+        spelled: dict[tuple[int, int], Any] = {}  # (first, last) -> the key that names those layers
         for key, fields_ in (self.layer_overrides or {}).items():
             try:
                 lo, dash, hi = str(key).partition("-")
-                first, last = int(lo), int(hi if dash else lo)  # ('0-' read as layer 0)
+                first, last = int(lo), int(hi if dash else lo)  # ('0-' is refused: int(''))
             except ValueError:
                 raise ValueError(f"layer_overrides key {key!r} is not a layer index or a range 'a-b' (e.g. "
                                  "'0-3').") from None
             if first > last:
                 raise ValueError(f"layer_overrides key {key!r} is a reversed range and would match no layer; write "
                                  f"the first layer first: '{last}-{first}'.")
+            # two spellings of the same layers ('3' and '03' or '3-3'): which one's fields win would hang on how the
+            # keys sort, not on what they say (`_overrides_by_precedence`)
+            if (first, last) in spelled:
+                raise ValueError(f"layer_overrides keys {spelled[first, last]!r} and {key!r} name the same "
+                                 f"layer{'s' if last > first else ''}: merge their fields under one key.")
+            spelled[first, last] = key
             if not isinstance(fields_, dict):
                 raise ValueError(f"layer_overrides[{key!r}] must be a mapping of fields, got {fields_!r}.")
             if set(fields_) - names:
