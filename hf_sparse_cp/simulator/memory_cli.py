@@ -294,7 +294,7 @@ def _shortest_fix(args: argparse.Namespace, arch: Architecture) -> tuple[int, Me
     state = sum(b for t, b in est.terms().items() if t in MODEL_STATE_TERMS)
     if state >= est.peak_bytes / 2:  # (the model's state is most of the peak)
         fixes = [f"shard the model's state over more ranks (--fsdp {max(2 * args.fsdp, args.cp)})"] + (
-            ["train a model loaded in bf16 (--no-master-weights)"] if settings.autocast else [])
+            [f"train a model loaded in {args.dtype} (--no-master-weights)"] if settings.autocast else [])
         return shortest, est, f"{', '.join(fixes)} or use a larger GPU"
     fewer = f"fewer CP ranks (--cp {args.cp // 2}) try shorter sequences, or " if args.cp > 1 else ""
     return shortest, est, f"mostly for the sequence: {fewer}use a larger GPU"
