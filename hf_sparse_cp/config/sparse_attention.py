@@ -26,6 +26,7 @@ from .files import (
     value_text,
 )
 from .flat_keys import nested
+from .model_fields import language_config
 from .registries import engine_settings
 from .sections import (
     BudgetSection,
@@ -46,12 +47,6 @@ _WARNED_UNREAD: set[tuple[str, str]] = set()
 BACKEND_NAME = "sparse_cp"
 MODEL_CONFIG_ATTRIBUTE = "sparse_attention"
 _SECTIONS = ("budget", "scoring")
-
-
-def language_config(model_config: Any) -> Any:
-    """The config of a model's decoder layers (their count, `layer_types`): its text config for a composite model
-    (Fuyu: a language model under a multimodal config), else the model's own."""
-    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
 
 
 def pattern_holders(model_config: Any) -> list[Any]:
