@@ -27,7 +27,7 @@ from .files import (
 )
 from .flat_keys import nested
 from .model_fields import language_config
-from .registries import engine_settings
+from .registries import check_registered, engine_settings
 from .sections import (
     BudgetSection,
     Scoring,
@@ -190,12 +190,8 @@ class SparseAttentionConfig(FileConfig):
 
     def _check_engine(self) -> None:
         """Refuse an `attention_engine` that names no registered engine (`engines.register_engine`), naming them."""
-        names = engine_settings()
-        if not isinstance(self.attention_engine, str) or self.attention_engine not in names:
-            raise ValueError(f"{setting('attention_engine', self.attention_engine)} "
-                             f"({type(self.attention_engine).__name__}) is not valid: use one of "
-                             f"{', '.join(map(value_text, names))} (an engine of your own: "
-                             "hf_sparse_cp.attention.register_engine(instance) first).")
+        check_registered("attention_engine", self.attention_engine, engine_settings(), "an engine",
+                         "hf_sparse_cp.attention.register_engine(instance)")
 
     @classmethod
     def keys(cls) -> list[str]:

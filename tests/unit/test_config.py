@@ -201,8 +201,9 @@ def test_a_config_saved_before_the_mode_only_fields_loads_as_it_ran(caplog):
         ({"layer_overrides": [0]}, r"layer_overrides=\[0\] \(list\) is not valid: use a mapping"),
         # a budget mode left empty read as budget fields ("mode are budgets of 0 modes; pass  with ..."), a list
         # in a TypeError (unhashable); a range without its end as its first layer alone
-        ({"budget": {"mode": ""}}, r"^budget_mode='' is not valid: use one of 'topk', 'topp', 'mass'\.$"),
-        ({"budget": {"mode": ["topk"]}}, r"^budget_mode=\['topk'\] is not valid: use one of"),
+        ({"budget": {"mode": ""}}, r"^budget_mode='' \(str\) is not valid: use one of 'topk', 'topp', 'mass' \(a "
+         r"mode of your own: @hf_sparse_cp\.config\.sections\.register_budget on its class first\)\.$"),
+        ({"budget": {"mode": ["topk"]}}, r"^budget_mode=\['topk'\] \(list\) is not valid: use one of"),
         ({"layer_overrides": {"0-": {"pattern": "dense"}}}, r"key '0-' is not a layer index or a range"),
     ],
 )
