@@ -349,14 +349,15 @@ class SparseAttentionConfig(FileConfig):
     @classmethod
     def stored_on(cls, holder: Any) -> SparseAttentionConfig | None:
         """The settings `holder` (a model config) stores (`FileConfig.stored_on`); settings it cannot read are refused
-        naming the fixes: a newer version's keys or a plug-in's budget mode (`register_budget`) cannot be read, a
-        model's settings can be replaced (`configure`)."""
+        naming the fixes: a newer version's keys or a plug-in's budget mode or attention engine (`register_budget`,
+        `register_engine`) cannot be read, a model's settings can be replaced (`configure`)."""
         try:
             return super().stored_on(holder)
         except ValueError as e:
             raise ValueError(f"{str(e).removesuffix('.')}. The model's config holds settings this installation cannot "
-                             "read: if a newer hf-sparse-cp saved them, upgrade it (a plug-in's budget mode: register "
-                             "it before the model runs); else store settings of your own over them "
+                             "read: if a newer hf-sparse-cp saved them, upgrade it (a plug-in's budget mode or "
+                             "attention engine: register it before the model runs); else store settings of your own "
+                             "over them "
                              f"(hf_sparse_cp.configure(model, SparseAttentionConfig(...))), or remove "
                              f"{cls.FILE_SECTION!r} from the config.") from None
 

@@ -738,23 +738,26 @@ def test_a_saved_model_whose_sparse_attention_key_is_not_a_mapping_is_named(tmp_
         SparseAttentionConfig.from_file(path)
 
 
-@pytest.mark.parametrize("change", ["key", "mode"])
+@pytest.mark.parametrize("change", ["key", "mode", "engine"])
 def test_a_saved_model_with_settings_of_a_newer_version_names_the_fixes(tmp_path, change):
-    """A saved model whose settings hold a key or a budget mode this installation does not know (a newer version's, a
-    plug-in's not registered) failed its first forward naming the key alone (#50): the refusal says to upgrade, to
-    register the plug-in or to store settings over them, which then run."""
+    """A saved model whose settings hold a key, a budget mode or an attention engine this installation does not know (a
+    newer version's, a plug-in's not registered) failed its first forward naming the key alone (#50): the refusal says
+    to upgrade, to register the plug-in (an engine's too: it named a budget mode's alone) or to store settings over
+    them, which then run."""
     import torch
     from transformers import AutoModelForCausalLM
 
     import hf_sparse_cp
     from hf_sparse_cp import SparseAttentionConfig
 
-    newer = {"key": {"new_knob": 3}, "mode": {"budget": {"mode": "newer_mode"}}}[change]
+    newer = {"key": {"new_knob": 3}, "mode": {"budget": {"mode": "newer_mode"}},
+             "engine": {"attention_engine": "newer_engine"}}[change]
     _saved_with_sparse_attention(tmp_path, lambda saved: saved["sparse_attention"].update(newer))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sparse_cp")
     ids = torch.randint(3, 200, (1, 16))
-    with pytest.raises(ValueError, match=r"(new_knob|newer_mode).*if a newer hf-sparse-cp saved them, upgrade it \(a "
-                                         r"plug-in's budget mode: register it.*hf_sparse_cp.configure\(model, "
+    with pytest.raises(ValueError, match=r"(new_knob|newer_mode|newer_engine).*if a newer hf-sparse-cp saved them, "
+                                         r"upgrade it \(a plug-in's budget mode or attention engine: register it.*"
+                                         r"hf_sparse_cp.configure\(model, "
                                          r"SparseAttentionConfig\(...\)\)\), or remove 'sparse_attention'"):
         loaded(input_ids=ids)
     hf_sparse_cp.configure(loaded, SparseAttentionConfig())
