@@ -386,8 +386,8 @@ def bench_e2e_start_length(model: str = "0.5b", gpu_bytes: float | None = None, 
 
     from hf_sparse_cp import SparseAttentionConfig
     from hf_sparse_cp.loss import is_liger_kernel_available
-    from hf_sparse_cp.memory import MemorySavers
-    from hf_sparse_cp.simulator.memory_cli import DEFAULT_TILING_MIN_LENGTH, device_memory
+    from hf_sparse_cp.memory import TILING_MIN_LENGTH, MemorySavers, from_min_length
+    from hf_sparse_cp.simulator.memory_cli import device_memory
     from hf_sparse_cp.simulator.memory_model import Architecture, StepSettings, longest_fitting_length
 
     bench = _bench_e2e()
@@ -401,7 +401,7 @@ def bench_e2e_start_length(model: str = "0.5b", gpu_bytes: float | None = None, 
     def settings(seq_len: int) -> StepSettings:
         b = bench.budget_for_kept_fraction(seq_len, 0.05, 0.2, pattern.block_size, pattern.local_window,
                                            pattern.sink_tokens)
-        return StepSettings(loss_backend=loss, savers=MemorySavers(tiled=seq_len >= DEFAULT_TILING_MIN_LENGTH),
+        return StepSettings(loss_backend=loss, savers=MemorySavers(tiled=from_min_length(TILING_MIN_LENGTH, seq_len)),
                             pattern=pattern.replace(budget_mode="topk", vertical_topk=b["vertical_topk"],
                                                     slash_topk=b["slash_topk"]))
 

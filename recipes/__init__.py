@@ -72,6 +72,10 @@ def pattern_path(name_or_path: str) -> str:
     except FileNotFoundError:
         # (a folder was said not to exist)
         there = "is a folder, not a file" if Path(name_or_path).is_dir() else "does not exist"
+        saved = Path(name_or_path) / "config.json"
+        if saved.is_file():  # (a saved model's folder: its config.json holds the pattern it trained with, #50)
+            raise FileNotFoundError(f"Config file {name_or_path!r} {there}: the pattern a saved model holds is in its "
+                                    f"config.json; give {str(saved)!r}.") from None
         raise FileNotFoundError(f"Config file {name_or_path!r} {there}, nor is it a shipped pattern "
                                 f"{_shipped(name_or_path, ('pattern',))}") from None
 

@@ -233,9 +233,8 @@ class SparseLayout:
         if twice:
             # (the kernels and the reference counted such a key twice in its query's softmax, the masked engine
             # once, Flex a repeated block once and a repeated column twice: one layout, other numbers per engine)
-            raise ValueError(f"a query block of the layout lists {twice}: list each key once (a key block once, a "
-                             "column once and outside the key blocks its query block lists; "
-                             "hf_sparse_cp.attention.layout.compact_sorted sorts indices and drops repeats).")
+            raise ValueError(f"a query block of the layout lists {twice[0]}: list each key once (a key block once, a "
+                             f"column once and outside the key blocks its query block lists; {twice[1]}).")
         if strict and (not _strictly_ascending(blk, blk_valid) or not _strictly_ascending(col, col_valid)):
             raise ValueError("layout indices must be strictly ascending within each query block.")
 
@@ -433,21 +432,24 @@ def _repeats(idx: torch.Tensor, valid: torch.Tensor) -> bool:
 
 
 def _listed_twice(blk: torch.Tensor, blk_valid: torch.Tensor, col: torch.Tensor, col_valid: torch.Tensor,
-                  block_size: int) -> str | None:
-    """What a layout's (int64) key blocks and columns list twice in one query block, in words, or None: a key
-    block, a column, or a column inside a listed key block. Sorts and searches, linear in the layout's size
-    (up to a log)."""
+                  block_size: int) -> tuple[str, str] | None:
+    """What a layout's (int64) key blocks and columns list twice in one query block and how to list it once, in
+    words, or None: a key block, a column, or a column inside a listed key block. Sorts and searches, linear in the
+    layout's size (up to a log)."""
+    drop_repeats = "hf_sparse_cp.attention.layout.compact_sorted(indices, valid) sorts each query block's valid " \
+        "indices, drops repeats and counts them"
     if _repeats(blk, blk_valid):
-        return "a key block twice"
+        return "a key block twice", drop_repeats
     if _repeats(col, col_valid):
-        return "a key column twice"
+        return "a key column twice", drop_repeats
     if blk.shape[-1] == 0 or col.shape[-1] == 0:
         return None
     blocks = torch.where(blk_valid, blk, FAR).sort(-1).values.contiguous()
     col_blk = torch.where(col_valid, col // block_size, -1).contiguous()
     at = torch.searchsorted(blocks, col_blk).clamp_max(blocks.shape[-1] - 1)
     if bool((col_valid & (blocks.gather(-1, at) == col_blk)).any()):
-        return "a key column inside one of its listed key blocks"
+        return "a key column inside one of its listed key blocks", "drop the columns whose block (col_idx // " \
+            "block_size) the query block lists in block_idx: the block computes them"
     return None
 
 

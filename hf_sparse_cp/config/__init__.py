@@ -10,12 +10,12 @@
 """
 
 from .files import FileConfig, check_field_types, read_mapping
+from .model_fields import language_config
 from .sparse_attention import (
     BACKEND_NAME,
     MODEL_CONFIG_ATTRIBUTE,
     SparseAttentionConfig,
     check_block_size,
-    language_config,
     pattern_holders,
 )
 

@@ -3,7 +3,7 @@ predictions on paper read (a leaf)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -14,6 +14,12 @@ EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 # whose MLP and RMSNorm token tiles run (`integration.architectures`); every other causal LM trains with its stock
 # forward's [tokens, vocab] logits, which the memory predictions count.
 LEAN_LOSS_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+def language_config(model_config: Any) -> Any:
+    """The config of a model's decoder layers (their count, `layer_types`): its text config for a composite model
+    (Fuyu: a language model under a multimodal config), else the model's own (None: None)."""
+    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

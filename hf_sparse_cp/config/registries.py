@@ -1,13 +1,16 @@
 """The registries of the variants a user can add (plug-ins): the one rule by which an entry joins a registry
-(`register_in`), and the attention engines' registry, which `hf_sparse_cp.attention.engines` fills (its built-in
-engines, then any `register_engine` adds), kept here so that a config checks its attention_engine against it without
-importing the engines, which import the config. (The budget modes' registry is in `sections.py`, the CP modes' in
-`hf_sparse_cp.distributed.modes.base`.)"""
+(`register_in`) and the one by which a setting that names an entry is checked (`check_registered`), and the attention
+engines' registry, which `hf_sparse_cp.attention.engines` fills (its built-in engines, then any `register_engine`
+adds), kept here so that a config checks its attention_engine against it without importing the engines, which import
+the config. (The budget modes' registry is in `sections.py`, the CP modes' in `hf_sparse_cp.distributed.modes.base`.)"""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Collection
 from typing import Any
+
+from .files import setting, value_text
 
 # name -> engine (an `hf_sparse_cp.attention.engines.Engine`), in the order 'auto' walks them
 ENGINES: dict[str, Any] = {}
@@ -37,3 +40,13 @@ def register_in(registry: dict[str, Any], name: str, entry: Any, kind: str, attr
         raise ValueError(f"{kind} {name!r} is already registered ({qualified_name(class_of(held))}); give "
                          f"{class_of(entry).__qualname__} another `{attribute}`.")
     registry[name] = entry
+
+
+def check_registered(name: str, value: Any, registered: Collection[str], own: str, register: str) -> None:
+    """Raise ValueError, naming the registered values and how to add one, where setting `name` (a budget_mode, a
+    cp_mode, an attention_engine) holds `value`, which is none of them (a list too: `in` would raise TypeError,
+    unhashable); worded as `check_field_types` words a value its Literal does not list. `own`: what the user adds
+    ('a mode'), `register`: the call that registers it ('hf_sparse_cp.distributed.register_cp_mode(instance)')."""
+    if not isinstance(value, str) or value not in registered:
+        raise ValueError(f"{setting(name, value)} ({type(value).__name__}) is not valid: use one of "
+                         f"{', '.join(map(value_text, registered))} ({own} of your own: {register} first).")

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .files import FileConfig, check_field_types, close_keys, flag_setting, setting, value_text
-from .registries import register_in
+from .files import FileConfig, check_field_types, close_keys, flag_setting, setting
+from .registries import check_registered, register_in
 
 # The mode a config without a budget runs (the sparsest measured setting within 0.5% of dense perplexity).
 DEFAULT_MODE = "mass"
@@ -111,9 +111,8 @@ def budget_modes() -> tuple[str, ...]:
 
 
 def budget_class(mode: str) -> type[BudgetSection]:
-    if not isinstance(mode, str) or mode not in _registered():  # (a list: `in` a TypeError, unhashable)
-        raise ValueError(f"{setting('budget_mode', mode)} is not valid: use one of "
-                         f"{', '.join(map(value_text, _registered()))}.")
+    check_registered("budget_mode", mode, _registered(), "a mode",
+                     "@hf_sparse_cp.config.sections.register_budget on its class")
     return _registered()[mode]
 
 

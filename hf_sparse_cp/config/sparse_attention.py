@@ -26,7 +26,8 @@ from .files import (
     value_text,
 )
 from .flat_keys import nested
-from .registries import engine_settings
+from .model_fields import language_config
+from .registries import check_registered, engine_settings
 from .sections import (
     BudgetSection,
     Scoring,
@@ -46,12 +47,6 @@ _WARNED_UNREAD: set[tuple[str, str]] = set()
 BACKEND_NAME = "sparse_cp"
 MODEL_CONFIG_ATTRIBUTE = "sparse_attention"
 _SECTIONS = ("budget", "scoring")
-
-
-def language_config(model_config: Any) -> Any:
-    """The config of a model's decoder layers (their count, `layer_types`): its text config for a composite model
-    (Fuyu: a language model under a multimodal config), else the model's own."""
-    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
 
 
 def pattern_holders(model_config: Any) -> list[Any]:
@@ -195,12 +190,8 @@ class SparseAttentionConfig(FileConfig):
 
     def _check_engine(self) -> None:
         """Refuse an `attention_engine` that names no registered engine (`engines.register_engine`), naming them."""
-        names = engine_settings()
-        if not isinstance(self.attention_engine, str) or self.attention_engine not in names:
-            raise ValueError(f"{setting('attention_engine', self.attention_engine)} "
-                             f"({type(self.attention_engine).__name__}) is not valid: use one of "
-                             f"{', '.join(map(value_text, names))} (an engine of your own: "
-                             "hf_sparse_cp.attention.register_engine(instance) first).")
+        check_registered("attention_engine", self.attention_engine, engine_settings(), "an engine",
+                         "hf_sparse_cp.attention.register_engine(instance)")
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -214,16 +205,23 @@ class SparseAttentionConfig(FileConfig):
         """Overrides as (first_layer, last_layer, fields), validated."""
         names = set(self.keys()) - {"layer_overrides", "dense_first_layers"}
         parsed = []
+        spelled: dict[tuple[int, int], Any] = {}  # (first, last) -> the key that names those layers
         for key, fields_ in (self.layer_overrides or {}).items():
             try:
                 lo, dash, hi = str(key).partition("-")
-                first, last = int(lo), int(hi if dash else lo)  # ('0-' read as layer 0)
+                first, last = int(lo), int(hi if dash else lo)  # ('0-' is refused: int(''))
             except ValueError:
                 raise ValueError(f"layer_overrides key {key!r} is not a layer index or a range 'a-b' (e.g. "
                                  "'0-3').") from None
             if first > last:
                 raise ValueError(f"layer_overrides key {key!r} is a reversed range and would match no layer; write "
                                  f"the first layer first: '{last}-{first}'.")
+            # two spellings of the same layers ('3' and '03' or '3-3'): which one's fields win would hang on how the
+            # keys sort, not on what they say (`_overrides_by_precedence`)
+            if (first, last) in spelled:
+                raise ValueError(f"layer_overrides keys {spelled[first, last]!r} and {key!r} name the same "
+                                 f"layer{'s' if last > first else ''}: merge their fields under one key.")
+            spelled[first, last] = key
             if not isinstance(fields_, dict):
                 raise ValueError(f"layer_overrides[{key!r}] must be a mapping of fields, got {fields_!r}.")
             if set(fields_) - names:
@@ -351,14 +349,15 @@ class SparseAttentionConfig(FileConfig):
     @classmethod
     def stored_on(cls, holder: Any) -> SparseAttentionConfig | None:
         """The settings `holder` (a model config) stores (`FileConfig.stored_on`); settings it cannot read are refused
-        naming the fixes: a newer version's keys or a plug-in's budget mode (`register_budget`) cannot be read, a
-        model's settings can be replaced (`configure`)."""
+        naming the fixes: a newer version's keys or a plug-in's budget mode or attention engine (`register_budget`,
+        `register_engine`) cannot be read, a model's settings can be replaced (`configure`)."""
         try:
             return super().stored_on(holder)
         except ValueError as e:
             raise ValueError(f"{str(e).removesuffix('.')}. The model's config holds settings this installation cannot "
-                             "read: if a newer hf-sparse-cp saved them, upgrade it (a plug-in's budget mode: register "
-                             "it before the model runs); else store settings of your own over them "
+                             "read: if a newer hf-sparse-cp saved them, upgrade it (a plug-in's budget mode or "
+                             "attention engine: register it before the model runs); else store settings of your own "
+                             "over them "
                              f"(hf_sparse_cp.configure(model, SparseAttentionConfig(...))), or remove "
                              f"{cls.FILE_SECTION!r} from the config.") from None
 

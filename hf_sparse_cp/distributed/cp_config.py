@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
-from ..config.files import KnownKeywords, check_field_types, checks_unread_fields, setting, value_text
+from ..config.files import KnownKeywords, check_field_types, checks_unread_fields, setting
+from ..config.registries import check_registered
 from .modes import CPMode, cp_mode_named, cp_modes
 from .split.documents import ATTENTION_RATE_SHARE, PlannerCosts
 
@@ -126,11 +127,8 @@ class ContextParallelConfig(KnownKeywords):
 
     def _check_mode(self) -> None:
         """Refuse settings the mode would ignore or cannot run, naming the fix."""
-        names = [mode.name for mode in cp_modes()]
-        if not isinstance(self.cp_mode, str) or self.cp_mode not in names:  # (as `check_field_types` words it)
-            raise ValueError(f"{setting('cp_mode', self.cp_mode)} ({type(self.cp_mode).__name__}) is not valid: use "
-                             f"one of {', '.join(map(value_text, names))} (a mode of your own: "
-                             "hf_sparse_cp.distributed.register_cp_mode(instance) first).")
+        check_registered("cp_mode", self.cp_mode, [mode.name for mode in cp_modes()], "a mode",
+                         "hf_sparse_cp.distributed.register_cp_mode(instance)")
         if self.cp_ulysses_size is not None and self.cp_ulysses_size < 1:
             raise ValueError(f"cp_ulysses_size={self.cp_ulysses_size} must be >= 1.")
         self.mode.check_flags(self)

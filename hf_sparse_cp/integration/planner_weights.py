@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from ..config.model_fields import EXPERT_COUNTS, decoder_layers
+from ..config.model_fields import EXPERT_COUNTS, decoder_layers, language_config
 from ..distributed.split.documents import linear_weight
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def linear_flop_pairs(model: torch.nn.Module) -> float | None:
     """2 x the weights a token meets in one decoder layer's matrix products (a routed expert's by its top-k share;
     the LM head's spread over the layers), the mean over the layers, in attention token pairs (`_pair_flops`).
     None where the model has no decoder layers or no head count to measure against."""
-    config = model.config.get_text_config() if hasattr(model, "config") else None
+    config = language_config(getattr(model, "config", None))
     # (the language model's layers: a vision tower's see image patches, not the text tokens the planner places)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = decoder_layers(decoder if isinstance(decoder, torch.nn.Module) else model)

@@ -188,6 +188,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the loss computes its logits in: autocast's where it is on for `hidden`'s device (the Trainer's
+    mixed precision), else the weight's."""
+    device_type = hidden.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+
+
 def chunked_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -233,8 +240,7 @@ def chunked_linear_cross_entropy(
     elif chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1 (or None for the default).")
 
-    device_type = hidden.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    dtype = compute_dtype(hidden, weight)
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     bias = None if bias is None else bias.to(dtype)
     labels = labels.to(hidden.device)
@@ -242,7 +248,7 @@ def chunked_linear_cross_entropy(
     with_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )
-    with torch.autocast(device_type, enabled=False):
+    with torch.autocast(hidden.device.type, enabled=False):
         return _ChunkedLinearCrossEntropy.apply(
             hidden, weight, bias, labels, normalizer, ignore_index, chunk_size, with_grad
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import choose_backend, is_available
-from .chunked import chunked_linear_cross_entropy, loss_normalizer, normalize
+from .chunked import chunked_linear_cross_entropy, compute_dtype, loss_normalizer, normalize
 
 BACKEND_ENV = "HF_SPARSE_CP_LOSS_BACKEND"
 BACKENDS = ("auto", "torch", "liger")
@@ -84,9 +84,7 @@ def linear_cross_entropy(
         The loss sum over non-ignored tokens divided by `num_items_in_batch`, else their mean. A batch
         without targets gets a zero gradient with every backend.
     """
-    device_type = hidden.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
-    if resolve_backend(hidden.device, backend, dtype) == "liger":
+    if resolve_backend(hidden.device, backend, compute_dtype(hidden, weight)) == "liger":
         return _liger_linear_cross_entropy(
             hidden, weight, labels, bias=bias, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index
         )

@@ -3,6 +3,6 @@ RMSNorms in token tiles (`tiling.py`) and saved layer inputs in host memory (`of
 `integration/memory_savers.py` applies them to a transformers model. What a step holds, and how long a
 sequence fits, is predicted beside the simulator (`hf_sparse_cp.simulator.memory_model`)."""
 
-from .savers import CHECKPOINTING_MIN_LENGTH, TILING_MIN_LENGTH, MemorySavers
+from .savers import CHECKPOINTING_MIN_LENGTH, TILING_MIN_LENGTH, MemorySavers, from_min_length
 
-__all__ = ["CHECKPOINTING_MIN_LENGTH", "TILING_MIN_LENGTH", "MemorySavers"]
+__all__ = ["CHECKPOINTING_MIN_LENGTH", "TILING_MIN_LENGTH", "MemorySavers", "from_min_length"]

@@ -22,6 +22,13 @@ TILING_MIN_LENGTH = 32768
 CHECKPOINTING_MIN_LENGTH = 16384
 
 
+def from_min_length(min_length: int, length: int | None) -> bool:
+    """Whether a saver switched on from `min_length` tokens (one of the lengths above, as a flag gives it; 0: never)
+    runs on sequences of `length` tokens (None: unknown, no). The one rule of training's flags and of the memory and
+    simulate commands that predict it."""
+    return bool(min_length) and length is not None and length >= min_length
+
+
 @dataclass(frozen=True)
 class MemorySavers:
     """The memory savers of a training step (all off by default)."""

@@ -42,8 +42,7 @@ from transformers import DataCollatorWithFlattening, Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..backends import PLOT_EXTRA
-from ..config import SparseAttentionConfig
-from ..config.sparse_attention import BACKEND_NAME, language_config
+from ..config import BACKEND_NAME, SparseAttentionConfig, language_config
 from ..distributed import ParallelDims
 from ..integration import compat
 from ..integration.given import require_trainer

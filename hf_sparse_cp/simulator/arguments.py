@@ -22,7 +22,7 @@ from huggingface_hub.errors import StrictDataclassError
 from ..config.files import adapter_base, did_you_mean
 from ..distributed.cp_config import ContextParallelConfig
 from ..distributed.modes import CPMode, cp_modes
-from ..memory.savers import CHECKPOINTING_MIN_LENGTH
+from ..memory.savers import CHECKPOINTING_MIN_LENGTH, from_min_length
 from .shapes import DECODER_FIELDS, ModelShape, check_decoder_sizes
 from .simulate import Cluster, Link
 from .step_model import CLUSTERS, HARDWARE, PEAK_TFLOPS, Hardware
@@ -367,7 +367,7 @@ def add_checkpointing_argument(p: argparse.ArgumentParser) -> None:
 
 def checkpointed(args: argparse.Namespace, seq_len: int) -> bool:
     """Whether training checkpoints sequences of `seq_len` tokens (--gradient-checkpointing-min-length; 0: never)."""
-    return bool(args.gradient_checkpointing_min_length) and seq_len >= args.gradient_checkpointing_min_length
+    return from_min_length(args.gradient_checkpointing_min_length, seq_len)
 
 
 def add_cp_mode_arguments(parser: argparse.ArgumentParser) -> None:

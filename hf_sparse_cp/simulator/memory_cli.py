@@ -20,7 +20,7 @@ from pathlib import Path
 from ..config import SparseAttentionConfig
 from ..config.model_fields import LEAN_LOSS_FAMILIES
 from ..distributed.split.documents import PlannerCosts
-from ..memory.savers import TILING_MIN_LENGTH, MemorySavers
+from ..memory.savers import TILING_MIN_LENGTH, MemorySavers, from_min_length
 from ..recipes import pattern_path
 from .arguments import (
     CHECKPOINTING_ALIAS,
@@ -52,8 +52,7 @@ from .memory_model import (
 
 # The answers are lengths of a multiple of this many tokens per rank (the shortest one tried).
 GRANULARITY = 1024
-# The plugin's defaults (`SparseCPArguments`): token tiles from this length on, in tiles of this many tokens.
-DEFAULT_TILING_MIN_LENGTH = TILING_MIN_LENGTH
+# The plugin's default tile (`SparseCPArguments`): tiles of this many tokens.
 DEFAULT_TILE_TOKENS = MemorySavers().tile_tokens
 _UNITS = {"": 10**9, "gb": 10**9, "gib": 2**30, "mb": 10**6, "mib": 2**20, "tb": 10**12, "tib": 2**40}
 
@@ -126,7 +125,7 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
     p.add_argument("--loss-backend", default="torch", choices=("torch", "liger"),
                    help="The lean loss: chunked PyTorch (default) or liger-kernel's (when installed).")
     add_checkpointing_argument(p)
-    p.add_argument("--token-tiling-min-length", type=at_least(0), default=DEFAULT_TILING_MIN_LENGTH,
+    p.add_argument("--token-tiling-min-length", type=at_least(0), default=TILING_MIN_LENGTH,
                    help="MLPs and RMSNorms in token tiles from this length on, as the plugin's "
                    "--sparse_token_tiling_min_length (0: never).")
     p.add_argument("--token-tile-size", type=at_least(1), default=DEFAULT_TILE_TOKENS,
@@ -169,7 +168,7 @@ def settings_for_length(args, arch: Architecture) -> callable:
                         pattern=pattern, loss_backend=args.loss_backend, kept_curve=curve)
 
     def settings(seq_len: int) -> StepSettings:
-        tiled = arch.token_tiles and bool(args.token_tiling_min_length) and seq_len >= args.token_tiling_min_length
+        tiled = arch.token_tiles and from_min_length(args.token_tiling_min_length, seq_len)
         savers = MemorySavers(tiled=tiled, tile_tokens=args.token_tile_size,
                               offload_layer_inputs=args.offload_layer_inputs)
         checkpointing = checkpointed(args, seq_len)
@@ -290,20 +289,15 @@ def _shortest_fix(args: argparse.Namespace, arch: Architecture) -> tuple[int, Me
     that it outgrows: the model's state (FSDP shards it), or the terms of the sequence (at a high CP degree the
     shortest length is long: attention layouts span every key block of it)."""
     shortest = GRANULARITY * args.cp
-    est = predict_step_memory(arch, shortest, settings_for_length(args, arch)(shortest))
+    settings = settings_for_length(args, arch)(shortest)
+    est = predict_step_memory(arch, shortest, settings)
     state = sum(b for t, b in est.terms().items() if t in MODEL_STATE_TERMS)
     if state >= est.peak_bytes / 2:  # (the model's state is most of the peak)
         fixes = [f"shard the model's state over more ranks (--fsdp {max(2 * args.fsdp, args.cp)})"] + (
-            ["train a model loaded in bf16 (--no-master-weights)"] if _autocast(args) else [])
+            [f"train a model loaded in {args.dtype} (--no-master-weights)"] if settings.autocast else [])
         return shortest, est, f"{', '.join(fixes)} or use a larger GPU"
     fewer = f"fewer CP ranks (--cp {args.cp // 2}) try shorter sequences, or " if args.cp > 1 else ""
     return shortest, est, f"mostly for the sequence: {fewer}use a larger GPU"
-
-
-def _autocast(args: argparse.Namespace) -> bool:
-    """Whether the step computes in a lower precision than its fp32 weights (--master-weights, a 16-bit --dtype):
-    float32 compute has no autocast, whatever --master-weights says."""
-    return args.master_weights and args.dtype != "float32"
 
 
 def _nothing_fits(args: argparse.Namespace, arch: Architecture, budget: float) -> str:
@@ -369,7 +363,7 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
     where = f"CP {args.cp}" + (f" ({mode.name}{heads})" if args.cp > 1 else "") + \
         (f", FSDP {args.fsdp}" if args.fsdp > 1 else "")
     precision = (f"fp32 weights + {args.dtype} autocast (the Trainer's mixed precision; --no-master-weights: all "
-                 f"{args.dtype})" if _autocast(args) else f"all {args.dtype} (a model loaded in {args.dtype})")
+                 f"{args.dtype})" if settings(1).autocast else f"all {args.dtype} (a model loaded in {args.dtype})")
     print(f"{report['model']} ({_parameters(arch.params)} parameters), {precision}, {args.optimizer}, {where}, one GPU "
           f"of {_gb(capacity)} ({_gb(budget)} usable). Predictions of hf_sparse_cp.simulator.memory_model, not "
           "measurements.")

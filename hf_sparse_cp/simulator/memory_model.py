@@ -237,6 +237,17 @@ class StepSettings:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is unknown; use one of {allowed}.")
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of a weight, its gradient and each optimizer moment: fp32 under master weights, else `dtype`'s."""
+        return 4 if self.master_weights else DTYPE_BYTES[self.dtype]
+
+    @property
+    def autocast(self) -> bool:
+        """Whether the step computes in a lower precision than its fp32 weights, holding autocast's copies of them
+        (master weights and a 16-bit `dtype`; #50: float32 compute has no autocast, whatever master_weights says)."""
+        return self.master_weights and DTYPE_BYTES[self.dtype] < 4
+
 
 # --------------------------------------------------------------------------------------------- the tape
 
@@ -477,9 +488,8 @@ class _Step:
         self.t = rank_tokens(seq_len, s)
         self.tape = _Tape(self.t)
         self.a = DTYPE_BYTES[s.dtype]
-        self.w = 4 if s.master_weights else self.a
-        # autocast's lower-precision copies of the fp32 weights (#50: counted for fp32 compute too, which has none)
-        self.autocast = s.master_weights and self.a < 4
+        self.w = s.weight_bytes
+        self.autocast = s.autocast  # (autocast's lower-precision copies of the fp32 weights)
         self.h, self.i = sh.hidden, sh.intermediate
         self.q, self.kv = sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim
         # RMSNorm computes in fp32: a copy of its input unless that is fp32 already
@@ -927,7 +937,7 @@ def _stock_loss_backward(tape: _Tape, arch: Architecture, s: StepSettings, saved
 
 
 def _optimizer_state(arch: Architecture, s: StepSettings) -> float:
-    w = 4 if s.master_weights else DTYPE_BYTES[s.dtype]
+    w = s.weight_bytes
     if s.optimizer == "none":
         return 0.0
     if s.optimizer == "adamw":
@@ -942,7 +952,7 @@ def _optimizer_state(arch: Architecture, s: StepSettings) -> float:
 def _optimizer_temporaries(arch: Architecture, s: StepSettings) -> float:
     """AdamW's step: foreach keeps a temporary of every parameter (the denominators); the per-tensor step
     two temporaries of the largest parameter (the embedding unless `largest_param`)."""
-    w = 4 if s.master_weights else DTYPE_BYTES[s.dtype]
+    w = s.weight_bytes
     if s.optimizer == "none":
         return 0.0
     if s.device == "cuda":

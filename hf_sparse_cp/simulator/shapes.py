@@ -16,7 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 # (EXPERT_COUNTS: the predictions count one dense MLP per layer, a mixture of experts is refused)
-from ..config.model_fields import EXPERT_COUNTS, decoder_layers
+from ..config.model_fields import EXPERT_COUNTS, decoder_layers, language_config
 
 # The fields of a decoder's config the predictions read (transformers' standard names; the MLP's width also under
 # GPT-2's `n_inner`, `intermediate_width`).
@@ -346,7 +346,7 @@ def check_decoder(config: Any, where: str) -> tuple[int, int, int]:
                          "config.json, or a preset (--model).")
     missing = [field for field in DECODER_FIELDS if getattr(config, field, None) is None
                and not (field == "intermediate_size" and intermediate_width(config) is not None)]
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = language_config(config)
     if missing and text is not config and not any(getattr(text, field, None) is None for field in DECODER_FIELDS[:3]):
         raise ValueError(f"{where}: model_type {config.model_type!r} holds its language model's fields under "
                          f"text_config (model_type {text.model_type!r}), beside its other towers; the predictions "

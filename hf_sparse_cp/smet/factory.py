@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config.model_fields import language_config
 from .config import DEFAULT_TARGET_MODULES, SMETConfig
 from .dtensor import local
 from .masks import BlockGrid
@@ -202,7 +203,7 @@ def _sizes(holder: Any, hidden: int | None = None, inner: tuple[int, ...] = ()) 
 def _model_sizes(model: nn.Module) -> _Sizes:
     """The model's hidden and intermediate sizes, its text model's for a multimodal one (`_sizes`)."""
     config = getattr(model, "config", None)
-    return _sizes(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    return _sizes(language_config(config))
 
 
 _NOT_BLOCKS = "not an nn.Linear weight, nor a 3-D stack of expert matrices"

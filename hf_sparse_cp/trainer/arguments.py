@@ -37,7 +37,7 @@ from ..config.sections import (
     scoring_from,
 )
 from ..config.sparse_attention import MIN_BLOCK_SIZE
-from ..memory import CHECKPOINTING_MIN_LENGTH, TILING_MIN_LENGTH, MemorySavers
+from ..memory import CHECKPOINTING_MIN_LENGTH, TILING_MIN_LENGTH, MemorySavers, from_min_length
 from ..recipes import pattern_path
 from ..scoped import scoped
 from ..smet import SMETConfig
@@ -157,14 +157,12 @@ class SparseCPArguments(KnownKeywords):
     def checkpointing_due(self, max_length: int | None) -> bool:
         """Whether sequences of `max_length` tokens (None: unknown, no) turn gradient checkpointing on
         (`--sparse_gradient_checkpointing_min_length`; 0: never)."""
-        threshold = self.sparse_gradient_checkpointing_min_length
-        return bool(threshold) and max_length is not None and max_length >= threshold
+        return from_min_length(self.sparse_gradient_checkpointing_min_length, max_length)
 
     def memory_savers(self, max_length: int | None) -> MemorySavers:
         """The memory savers for sequences of `max_length` tokens (None: unknown, no token tiles)."""
-        tiled = bool(self.sparse_token_tiling_min_length) and max_length is not None and (
-            max_length >= self.sparse_token_tiling_min_length)
-        return MemorySavers(tiled=tiled, tile_tokens=self.sparse_token_tile_size,
+        return MemorySavers(tiled=from_min_length(self.sparse_token_tiling_min_length, max_length),
+                            tile_tokens=self.sparse_token_tile_size,
                             offload_layer_inputs=self.sparse_offload_layer_inputs)
 
     def attention_config(

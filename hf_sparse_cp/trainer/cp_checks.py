@@ -15,6 +15,7 @@ import torch
 from accelerate.utils import str_to_bool
 from transformers import Trainer
 
+from ..config import language_config
 from ..integration import compat
 from ..integration.architectures import (
     ROUTER_LOSS_PARAMETERS,
@@ -196,8 +197,7 @@ def random_routing_note(model: torch.nn.Module) -> str | None:
     (Mixtral's, PhiMoE's, MiniMax's: router logits or inputs scaled by uniform noise) or a modeling module with
     PhiMoE's `sparsemixer` (it samples the experts while training, whatever the jitter). Each CP rank draws for its
     own shard, as with dropout, so the run equals one without CP in distribution only. None without them."""
-    config = getattr(model, "config", None)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = language_config(getattr(model, "config", None))
     fields = [f"{name}={value}" for name, value in sorted(vars(config).items() if config is not None else ())
               if name.endswith("jitter_noise") and isinstance(value, (int, float)) and value > 0]
     samplers = sorted({f"{type(m).__module__}.sparsemixer" for m in model.modules()
@@ -219,8 +219,7 @@ def router_aux_loss_note(trainer: Trainer) -> str | None:
     differ from one process's. None without it."""
     if model_router_loss_modules(trainer.model):
         return None
-    config = trainer.model.config
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = language_config(trainer.model.config)
     coef = getattr(config, "router_aux_loss_coef", None)
     enabled = getattr(trainer, "aux_loss_enabled", None)
     if enabled is None:

@@ -124,7 +124,8 @@ def test_invalid_schedules_name_the_fix(text, match):
     ("2:256:1:block_size=48", "block_size=48 must be a power of two >= 16; use 64 or 128."),
     ("2:256:1:pattern=sparse", "pattern=sparse (str) is not valid: use one of vertical_slash, dense."),
     ("2:256:1:block_size=abc", "block_size=abc (str) is not valid: use a whole number, e.g. block_size=128"),
-    ("2:256:1:budget_mode=greedy", "budget_mode=greedy is not valid: use one of topk, topp, mass."),
+    ("2:256:1:budget_mode=greedy", "budget_mode=greedy (str) is not valid: use one of topk, topp, mass (a mode of "
+     "your own: @hf_sparse_cp.config.sections.register_budget on its class first)."),
     ("2:256:1:mass_threshold=0.01", "mass_threshold=0.01 is read only in budget_mode=mass and would do nothing with "
                                     "budget_mode=topk; pass budget_mode=mass with it"),
     ("2:256:1:budget.mode=mass:budget_mode=topp", "budget_mode=topp and budget.mode=mass give one field two values"),

@@ -738,23 +738,26 @@ def test_a_saved_model_whose_sparse_attention_key_is_not_a_mapping_is_named(tmp_
         SparseAttentionConfig.from_file(path)
 
 
-@pytest.mark.parametrize("change", ["key", "mode"])
+@pytest.mark.parametrize("change", ["key", "mode", "engine"])
 def test_a_saved_model_with_settings_of_a_newer_version_names_the_fixes(tmp_path, change):
-    """A saved model whose settings hold a key or a budget mode this installation does not know (a newer version's, a
-    plug-in's not registered) failed its first forward naming the key alone (#50): the refusal says to upgrade, to
-    register the plug-in or to store settings over them, which then run."""
+    """A saved model whose settings hold a key, a budget mode or an attention engine this installation does not know (a
+    newer version's, a plug-in's not registered) failed its first forward naming the key alone (#50): the refusal says
+    to upgrade, to register the plug-in (an engine's too: it named a budget mode's alone) or to store settings over
+    them, which then run."""
     import torch
     from transformers import AutoModelForCausalLM
 
     import hf_sparse_cp
     from hf_sparse_cp import SparseAttentionConfig
 
-    newer = {"key": {"new_knob": 3}, "mode": {"budget": {"mode": "newer_mode"}}}[change]
+    newer = {"key": {"new_knob": 3}, "mode": {"budget": {"mode": "newer_mode"}},
+             "engine": {"attention_engine": "newer_engine"}}[change]
     _saved_with_sparse_attention(tmp_path, lambda saved: saved["sparse_attention"].update(newer))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sparse_cp")
     ids = torch.randint(3, 200, (1, 16))
-    with pytest.raises(ValueError, match=r"(new_knob|newer_mode).*if a newer hf-sparse-cp saved them, upgrade it \(a "
-                                         r"plug-in's budget mode: register it.*hf_sparse_cp.configure\(model, "
+    with pytest.raises(ValueError, match=r"(new_knob|newer_mode|newer_engine).*if a newer hf-sparse-cp saved them, "
+                                         r"upgrade it \(a plug-in's budget mode or attention engine: register it.*"
+                                         r"hf_sparse_cp.configure\(model, "
                                          r"SparseAttentionConfig\(...\)\)\), or remove 'sparse_attention'"):
         loaded(input_ids=ids)
     hf_sparse_cp.configure(loaded, SparseAttentionConfig())
@@ -866,26 +869,34 @@ def _one_row_layout(blocks, cols):
     return SparseLayout(*pack(blocks, 3), *pack(cols, 2), 16)
 
 
-@pytest.mark.parametrize("blocks,cols,what", [
-    ([[0], [0, 0, 1]], [[], []], "a key block twice"),
-    ([[0], [1]], [[], [3, 3]], "a key column twice"),
-    ([[0], [0, 1]], [[], [3]], "a key column inside one of its listed key blocks"),
+@pytest.mark.parametrize("blocks,cols,what,fix", [
+    ([[0], [0, 0, 1]], [[], []], "a key block twice", "compact_sorted"),
+    ([[0], [1]], [[], [3, 3]], "a key column twice", "compact_sorted"),
+    ([[0], [0, 1]], [[], [3]], "a key column inside one of its listed key blocks", "drop the columns whose block"),
 ], ids=["block", "column", "column-in-block"])
-def test_block_sparse_attention_refuses_a_layout_listing_a_key_twice(blocks, cols, what):
+def test_block_sparse_attention_refuses_a_layout_listing_a_key_twice(blocks, cols, what, fix):
     """A hand-made layout listing a key twice for one query block was taken: the reference and the kernels counted
     the key twice in the softmax (out 0.27-0.50 off the layout listing it once), the masked engine once, Flex a
     repeated block once and a repeated column twice: one layout, other numbers per engine. The call's layout check
-    refuses it, naming the fix; listed in another order, the keys are taken (the engines agree on those)."""
+    refuses it, naming the fix for its case (compact_sorted, which the message named for a column inside a listed
+    block too, keeps such a column); listed in another order, the keys are taken (the engines agree on those)."""
     import torch
 
     from hf_sparse_cp import block_sparse_attention
+    from hf_sparse_cp.attention.layout import SparseLayout, compact_sorted
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 1, 32, 8, generator=g, dtype=torch.float64) for _ in range(3))
     for engine in ("reference", "masked"):
         with pytest.raises(ValueError, match=re.escape(f"a query block of the layout lists {what}: list each key "
-                                                       "once")):
+                                                       "once")) as refused:
             block_sparse_attention(q, k, v, _one_row_layout(blocks, cols), implementation=engine)
+        assert fix in str(refused.value) and (fix == "compact_sorted") == ("compact_sorted" in str(refused.value))
+    if fix == "compact_sorted":  # (the fix named, followed: the layout is taken)
+        given = _one_row_layout(blocks, cols)
+        fixed = SparseLayout(*compact_sorted(given.block_idx.long(), given.valid_blocks()),
+                             *compact_sorted(given.col_idx.long(), given.valid_cols()), 16)
+        block_sparse_attention(q, k, v, fixed)
     reordered = [block_sparse_attention(q, k, v, _one_row_layout([[0], [1, 0]], [[], []]), implementation=engine)[0]
                  for engine in ("reference", "masked")]
     listed_once = block_sparse_attention(q, k, v, _one_row_layout([[0], [0, 1]], [[], []]))[0]

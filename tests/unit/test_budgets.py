@@ -115,7 +115,8 @@ def test_the_registry_holds_each_mode_once_with_fields_of_its_own():
         cls = budget_class(mode)
         assert all(f.default is not dataclasses.MISSING and f.default is not None for f in dataclasses.fields(cls))
         assert cls().to_dict()["mode"] == mode
-    with pytest.raises(ValueError, match="budget_mode='greedy' is not valid: use one of 'topk', 'topp', 'mass'"):
+    with pytest.raises(ValueError, match=r"budget_mode='greedy' \(str\) is not valid: use one of 'topk', 'topp', "
+                                         r"'mass' \(a mode of your own: .*register_budget"):
         budget_class("greedy")
     for bad, match in ((dict(vertical_topk=-1), "vertical_topk=-1 must be >= 0"),
                        (dict(slash_topp=0.0), r"slash_topp=0.0 must be in \(0, 1\]"),

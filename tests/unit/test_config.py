@@ -201,8 +201,9 @@ def test_a_config_saved_before_the_mode_only_fields_loads_as_it_ran(caplog):
         ({"layer_overrides": [0]}, r"layer_overrides=\[0\] \(list\) is not valid: use a mapping"),
         # a budget mode left empty read as budget fields ("mode are budgets of 0 modes; pass  with ..."), a list
         # in a TypeError (unhashable); a range without its end as its first layer alone
-        ({"budget": {"mode": ""}}, r"^budget_mode='' is not valid: use one of 'topk', 'topp', 'mass'\.$"),
-        ({"budget": {"mode": ["topk"]}}, r"^budget_mode=\['topk'\] is not valid: use one of"),
+        ({"budget": {"mode": ""}}, r"^budget_mode='' \(str\) is not valid: use one of 'topk', 'topp', 'mass' \(a "
+         r"mode of your own: @hf_sparse_cp\.config\.sections\.register_budget on its class first\)\.$"),
+        ({"budget": {"mode": ["topk"]}}, r"^budget_mode=\['topk'\] \(list\) is not valid: use one of"),
         ({"layer_overrides": {"0-": {"pattern": "dense"}}}, r"key '0-' is not a layer index or a range"),
     ],
 )
@@ -270,6 +271,10 @@ def test_section_objects_and_int_keys_in_layer_overrides_save_with_the_model():
     assert SparseAttentionConfig.from_dict(json.loads(model_config.to_json_string())["sparse_attention"]) == ints
     with pytest.raises(ValueError, match=r"layer_overrides names layer 1 twice \(as 1 and '1'\): merge their fields"):
         SparseAttentionConfig(layer_overrides={1: {"pattern": "dense"}, "1": {"sink_tokens": 4}})
+    # and so is any other pair of keys that spell the same layers: which one's fields won hung on how they sort
+    for keys in (("1", "01"), ("1", "1-1"), ("2-3", " 2-3")):
+        with pytest.raises(ValueError, match=rf"layer_overrides keys {keys[0]!r} and {keys[1]!r} name the same layer"):
+            SparseAttentionConfig(layer_overrides={keys[0]: {"pattern": "dense"}, keys[1]: {"sink_tokens": 4}})
 
 
 def test_a_config_says_which_flat_keys_its_layers_read():

@@ -618,6 +618,11 @@ def test_the_memory_command_takes_any_config_and_follows_the_trainers_precision(
     refused = capsys.readouterr().out  # fp32 weights, gradients and AdamW state do not fit 40 GB over 4 ranks
     assert "Not even 4,096 tokens (1,024 per rank, the shortest length tried) fit" in refused
     assert "--no-master-weights" in refused and "--fsdp 8" in refused and "largest terms: optimizer state" in refused
+    assert "train a model loaded in bfloat16 (--no-master-weights)" in refused
+    # (#50: the fix named a model loaded in bf16 whatever --dtype: under float16 autocast it is one in float16)
+    cli_main(["memory", "--config", str(path), "--gpu-memory", "40GB", "--cp", "4", "--fsdp", "4", "--dtype",
+              "float16"])
+    assert "train a model loaded in float16 (--no-master-weights)" in capsys.readouterr().out
     path.write_text(json.dumps({**config, "model_type": "mixtral", "num_local_experts": 8}))
     with pytest.raises(SystemExit):
         cli_main(base[:-1])

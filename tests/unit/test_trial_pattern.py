@@ -43,6 +43,14 @@ def test_a_folder_given_for_a_pattern_or_recipe_file_is_named_a_folder(tmp_path)
         SparseCPArguments(sparse_config=str(tmp_path)).attention_config()
     with pytest.raises(FileNotFoundError, match=re.escape(f"recipe '{tmp_path}' (a folder) is neither a file nor")):
         recipe_path(str(tmp_path))
+    # a saved model's folder (a run that replaces its pattern says to pass its config.json, #50) names that file,
+    # which reads
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "sparse_attention": {"local_window": 32}}')
+    with pytest.raises(FileNotFoundError, match=re.escape(f"Config file '{tmp_path}' is a folder, not a file: the "
+                                                          "pattern a saved model holds is in its config.json; give "
+                                                          f"'{tmp_path / 'config.json'}'.")):
+        SparseCPArguments(sparse_config=str(tmp_path)).attention_config()
+    assert SparseCPArguments(sparse_config=str(tmp_path / "config.json")).attention_config().local_window == 32
 
 
 @pytest.mark.parametrize("name, text", [("empty.yaml", ""), ("comments.yaml", "# block_size: 32\n"),
