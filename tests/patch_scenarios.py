@@ -83,7 +83,8 @@ def attach() -> Iterator:
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _sparse_trainer(tmp)
         yield [(trainer, "train"), (trainer, "_save_optimizer_and_scheduler"), (trainer, "training_step"),
-               (trainer.callback_handler, "callbacks"), (trainer.accelerator, "prepare_model")]
+               (trainer, "evaluation_loop"), (trainer.callback_handler, "callbacks"),
+               (trainer.accelerator, "prepare_model")]
         attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True))
         yield
         detach_from_trainer(trainer)
@@ -355,8 +356,8 @@ def kv_sharing() -> Iterator:
 
 ONE_PROCESS = {
     ("transformers.Trainer.train", "transformers.Trainer._save_optimizer_and_scheduler",
-     "transformers.Trainer.training_step", "transformers.trainer_callback.CallbackHandler.callbacks",
-     "accelerate.Accelerator.prepare_model"): attach,
+     "transformers.Trainer.training_step", "transformers.Trainer.evaluation_loop",
+     "transformers.trainer_callback.CallbackHandler.callbacks", "accelerate.Accelerator.prepare_model"): attach,
     ("transformers.trainer_jit_checkpoint.CheckpointManager._enable_checkpoint",): jit_checkpoint,
     ("transformers.Trainer._load_from_checkpoint", "transformers.Trainer._load_optimizer_and_scheduler"):
         resharded_loading,

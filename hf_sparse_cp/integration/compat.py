@@ -199,6 +199,10 @@ PATCHES = (
           "tokens_per_second (`StepMetricsCallback`), and its row length checked against the memory savers set up "
           "(`row_length_watch`), before the Trainer's own step trains on it",
           "detach_from_trainer(trainer)", ("self", "model", "inputs", "num_items_in_batch")),
+    Patch(_TRAINER, "evaluation_loop", "replaces", "an evaluation's logged kept fraction counts its own forwards: "
+          "the wrapper drops the evaluation-mode sums left before it (a user's check of the model, a generation); no "
+          "callback event fires before the loop's first forward (`log_sparsity`)", "detach_from_trainer(trainer)",
+          ("self", "dataloader", "description", "prediction_loss_only", "ignore_keys", "metric_key_prefix")),
     Patch(_TRAINER, "optimizer_cls_and_kwargs", "sets", "SMET wraps the optimizer the Trainer would build "
           "(TrainingArguments' optim and its settings)", "uninstall_smet(trainer)", on_instances=True),
     Patch(_TRAINER, "is_fsdp_enabled", "sets", "--fsdp on CPU processes runs FSDP2, which the Trainer enables "

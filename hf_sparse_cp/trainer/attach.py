@@ -49,6 +49,7 @@ from ..integration.models import (
 )
 from ..integration.patching import PatchSet, attached_patches, record_on, undo_recorded
 from ..integration.registration import guard_registration, select_backend, store_pattern
+from ..integration.stats import pop_kept_fractions
 from .arguments import SparseAttentionFlags, SparseCPArguments, flag_errors
 from .callbacks import SparsityLoggingCallback, StepMetricsCallback
 from .checkpoints import protect_checkpoints
@@ -315,6 +316,22 @@ def count_step_metrics(trainer: Trainer, patches: PatchSet,
     return metrics
 
 
+def log_sparsity(trainer: Trainer, patches: PatchSet) -> None:
+    """Log the kept fraction with every log (`SparsityLoggingCallback`, first among the callbacks, so the reporters
+    see its keys; not a second one where the trainer has one), and make an evaluation's log count its own forwards
+    only: the trainer's `evaluation_loop` drops the evaluation-mode sums left before it (a user's check of the model,
+    a generation), which no callback event can (none fires before the loop's first forward)."""
+    if not any(isinstance(cb, SparsityLoggingCallback) for cb in trainer.callback_handler.callbacks):
+        patches.insert(trainer.callback_handler, "callbacks", 0, SparsityLoggingCallback())
+    evaluation_loop = trainer.evaluation_loop
+
+    def own_forwards_loop(*args, **kwargs):
+        pop_kept_fractions(trainer.model, training=False)
+        return evaluation_loop(*args, **kwargs)
+
+    patches.set_attr(trainer, "evaluation_loop", own_forwards_loop)
+
+
 def savers_left_off(trainer: Trainer, sparse_args: SparseCPArguments, tokens: int) -> list[str]:
     """The memory savers that rows of `tokens` tokens would have turned on (the thresholds of `sparse_args`) and the
     trainer's model runs without: set up for shorter rows, or for a length not known."""
@@ -473,10 +490,8 @@ def attach_to_trainer(
         sparse = compat.attn_implementation(trainer.model.config) == BACKEND_NAME
         count_step_metrics(trainer, record_on(trainer, _STEP_METRICS),
                            row_length_watch(trainer, sparse_args, max_length) if sparse else None)
-    callbacks = trainer.callback_handler.callbacks
-    if sparse_args.sparse_log_sparsity and not any(isinstance(cb, SparsityLoggingCallback) for cb in callbacks):
-        logging_callback = SparsityLoggingCallback()
-        record_on(trainer, _SPARSITY_LOGGING).insert(trainer.callback_handler, "callbacks", 0, logging_callback)
+    if sparse_args.sparse_log_sparsity and attached_patches(trainer, _SPARSITY_LOGGING) is None:
+        log_sparsity(trainer, record_on(trainer, _SPARSITY_LOGGING))
     if cp_schedule is None:
         parallel = enable_trainer_context_parallel(trainer, cp_config)
     else:

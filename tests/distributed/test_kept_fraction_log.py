@@ -103,3 +103,33 @@ def test_forwards_before_training_are_no_part_of_its_logs():
     callback.on_log(args, TrainerState(), None, logs=summary, model=attention)
     assert abs(training["sparse/kept_fraction"] - 0.5) < 1e-9
     assert "sparse/kept_fraction" not in summary  # no call since the last training log
+
+
+def test_an_evaluation_logs_its_own_forwards_only(tmp_path):
+    """An evaluation-mode forward before `evaluate()` (a user's own check of the model, a generation) was counted in
+    that evaluation's logged kept fraction: 0.1 left on each layer showed as 0.7 where the evaluation's two forwards
+    kept 1.0 (dense at 16 tokens). The trainer's evaluation loop drops what was left before it."""
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    import hf_sparse_cp
+    from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
+    from hf_sparse_cp.integration.stats import record_kept_fraction
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    hf_sparse_cp.patch()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    hf_sparse_cp.configure(model)
+    ids = torch.randint(0, 200, (16,), generator=torch.Generator().manual_seed(0))
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, per_device_eval_batch_size=1)
+    trainer = Trainer(model=model, args=args, eval_dataset=[{"input_ids": ids, "labels": ids}] * 2)
+    attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True))
+    try:
+        model.eval()
+        for module in model.modules():
+            if getattr(module, "layer_idx", None) is not None:
+                record_kept_fraction(module, torch.tensor(0.1))  # the user's forward before evaluate()
+        trainer.evaluate()
+    finally:
+        detach_from_trainer(trainer)
+    assert trainer.state.log_history[-1]["sparse/kept_fraction"] == 1.0
