@@ -86,15 +86,16 @@ def _check_plot_flags(args, parser: argparse.ArgumentParser) -> None:
     if args.model is not None and args.model.strip() and not Path(args.model).is_dir():
         # (#50: a missing folder failed in transformers' loading with huggingface_hub's rule for repo ids, naming
         # neither the flag nor the fix)
+        # (a name of a Hub id's shape is refused where the Hub cannot provide it: `load_sparse_model`)
         from huggingface_hub.errors import HFValidationError
         from huggingface_hub.utils import validate_repo_id
+
+        from hf_sparse_cp.reporting.plots import missing_model
 
         try:
             validate_repo_id(args.model)
         except HFValidationError:
-            what = "a file, not a folder" if Path(args.model).exists() else "no such folder"
-            parser.error(f"--model {args.model}: {what}, nor a Hub id (owner/name); give the folder of a saved model "
-                         "(config.json), or its Hub id.")
+            parser.error(missing_model(args.model, "nor a Hub id (owner/name)"))
     if args.text_file is not None and not Path(args.text_file).is_file():
         parser.error(f"--text_file {args.text_file}: " + ("a folder, not a text file" if Path(args.text_file).is_dir()
                                                            else "no such file") + "; give the file of a text.")

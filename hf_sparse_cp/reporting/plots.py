@@ -210,6 +210,13 @@ def find_model(run_dir: str | Path) -> Path:
     )
 
 
+def missing_model(path: str | Path, hub: str) -> str:
+    """The refusal of `--model PATH` where PATH is no folder here: both causes, the missing folder (or a file there)
+    and `hub`, why the Hub gave no model of that name (not a Hub id; what the Hub answered)."""
+    what = "a file here, not a folder" if Path(str(path)).exists() else "no such folder here"
+    return f"--model {path}: {what}, {hub}; give the folder of a saved model (config.json), or its Hub id."
+
+
 def load_sparse_model(path: str | Path, sparse_config: str | Path | None = None):
     """A causal LM from `path` (a directory or hub id) selecting `sparse_cp`, in eval mode.
 
@@ -221,7 +228,8 @@ def load_sparse_model(path: str | Path, sparse_config: str | Path | None = None)
             the defaults).
 
     Returns:
-        The model. The backend must be registered (`hf_sparse_cp.patch()`).
+        The model. The backend must be registered (`hf_sparse_cp.patch()`). OSError naming both causes where
+        `path` is no folder here and the Hub gave no model of that name (`missing_model`).
     """
     from transformers import AutoModelForCausalLM
 
@@ -236,7 +244,14 @@ def load_sparse_model(path: str | Path, sparse_config: str | Path | None = None)
                          "(base_model_name_or_path; a model built from a config has none): set it to the base "
                          "model's folder, or merge the adapter (merge_and_unload), save the model and pass its "
                          "folder with --model.")
-    model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sparse_cp")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sparse_cp")
+    except OSError as e:
+        if Path(str(path)).is_dir():
+            raise
+        # (transformers' error named neither the flag nor the folder: "We couldn't connect to huggingface.co" offline)
+        raise OSError(missing_model(path, f"and the Hub could not provide it either ({str(e).splitlines()[0]})")
+                      ) from None
     if sparse_config is not None:
         configure(model, SparseAttentionConfig.from_file(pattern_path(str(sparse_config))))
     elif SparseAttentionConfig.stored_on(model.config) is None:

@@ -180,9 +180,9 @@ def test_plot_names_the_fix_for_a_directory_without_logs_or_model(tmp_path, caps
      "choose what the block layouts draw, and --only kept_fraction draws none: drop them, or drop --only."),
     (["--model", ""], "--model '' is empty (an unset shell variable?): give its value, or drop the flag."),
     # (#50: failed after the logs' plot with huggingface_hub's rule for repo ids, naming neither the flag nor the fix)
-    (["--model", "/no/such/model"], "--model /no/such/model: no such folder, nor a Hub id (owner/name); give the "
-     "folder of a saved model (config.json), or its Hub id."),
-    (["--model", __file__], f"--model {__file__}: a file, not a folder, nor a Hub id"),
+    (["--model", "/no/such/model"], "--model /no/such/model: no such folder here, nor a Hub id (owner/name); give "
+     "the folder of a saved model (config.json), or its Hub id."),
+    (["--model", __file__], f"--model {__file__}: a file here, not a folder, nor a Hub id"),
     # each failed only after the model's forward, naming no flag: a FileNotFoundError, an IsADirectoryError, a
     # FileExistsError, and a MemoryError traceback building the passkey sample
     (["--text_file", "missing.txt"], "--text_file missing.txt: no such file; give the file of a text."),
@@ -197,6 +197,21 @@ def test_plot_refuses_flags_it_would_ignore_or_fail_on_after_drawing(tmp_path, c
         main(["plot", str(tmp_path), *args])
     assert stopped.value.code == 2
     assert f"hf-sparse-cp plot: error: {refused}" in capsys.readouterr().err
+
+
+def test_plot_names_both_causes_for_a_missing_folder_of_a_hub_ids_shape(tmp_path, capsys, monkeypatch):
+    """`--model out/run1` with no such folder passed the Hub id check and failed in transformers' loading, offline
+    with "We couldn't connect to 'https://huggingface.co'", naming neither the flag nor the folder."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # (the Hub cannot provide it, whether or not this machine is online)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        main(["plot", str(tmp_path), "--only", "layouts", "--model", "out/run1"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert ("hf-sparse-cp plot: error: --model out/run1: no such folder here, and the Hub could not provide it "
+            "either (") in err, err
+    assert "give the folder of a saved model (config.json), or its Hub id." in err
 
 
 def test_plot_names_a_text_file_that_is_not_utf8_text_before_loading(tmp_path, capsys):
