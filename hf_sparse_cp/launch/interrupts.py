@@ -45,7 +45,7 @@ def recorded_output_dirs(folder: str | os.PathLike) -> list[str]:
 
 def interrupted_line(ranks: int, output_dirs: Sequence[str]) -> str:
     """The line a run stopped by Ctrl-C ends with: how many processes stopped and where its last checkpoint is."""
-    from hf_sparse_cp.trainer.checkpoint_marker import newest_complete_checkpoint  # (only once a run stopped)
+    from hf_sparse_cp.checkpoint_marker import newest_complete_checkpoint  # (only once a run stopped)
 
     checkpoint = newest_complete_checkpoint(output_dirs)[0]
     where = (f"the last checkpoint is {checkpoint} (--resume_from_checkpoint {checkpoint} continues from it)"

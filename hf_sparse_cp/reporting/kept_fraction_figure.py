@@ -15,9 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from transformers.trainer_utils import get_last_checkpoint
-
 from ..backends import require_matplotlib
+from ..checkpoint_marker import newest_complete_checkpoint
 from ..config.files import read_mapping
 from ..integration.stats import LAYER_LOG_KEY  # what `SparsityLoggingCallback` logs (layer -1: no layer index)
 
@@ -58,12 +57,11 @@ def _mean_per_layer(series: dict[int, tuple[list[int], list[float]]]) -> dict[in
 
 def find_trainer_state(run_dir: str | Path) -> Path:
     """The trainer_state.json of a run: in `run_dir` itself (a checkpoint, or an output directory after
-    `trainer.save_state()`), else in its last checkpoint. Raises FileNotFoundError naming the fix."""
+    `trainer.save_state()`), else in its last complete checkpoint. Raises FileNotFoundError naming the fix."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{str(run_dir)!r} is not a directory; give a Trainer output or checkpoint directory.")
-    last = get_last_checkpoint(str(run_dir))
-    for folder in (run_dir, Path(last) if last else None):
+    for folder in (run_dir, newest_complete_checkpoint([run_dir])[0]):
         if folder is not None and (folder / TRAINER_STATE).is_file():
             return folder / TRAINER_STATE
     raise FileNotFoundError(

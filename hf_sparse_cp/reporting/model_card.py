@@ -39,9 +39,9 @@ import yaml
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import DataCollatorWithFlattening, Trainer
-from transformers.trainer_utils import get_last_checkpoint
 
 from ..backends import PLOT_EXTRA
+from ..checkpoint_marker import newest_complete_checkpoint
 from ..config import BACKEND_NAME, SparseAttentionConfig, language_config
 from ..distributed import ParallelDims
 from ..integration import compat
@@ -354,12 +354,14 @@ SAVED_MODEL_FILES = ("config.json", "adapter_config.json")
 def _load_from(trainer: Trainer, output_dir: Path) -> tuple[str, list[str]]:
     """Where the quick start loads the model from (`_model_name`), and a note where the output folder holds no saved
     model (#50: `hf-sparse-cp train` without --save_final_model wrote a card whose quick start loaded a folder holding
-    none): its last checkpoint where there is one, else the folder, saying that nothing is saved there yet."""
+    none): its last complete checkpoint where there is one, else the folder, saying that nothing is saved there yet."""
     name = _model_name(trainer)
     if name != trainer.args.output_dir or any((output_dir / file).is_file() for file in SAVED_MODEL_FILES):
         return name, []
-    checkpoint = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
+    # (the newest complete one: a run stopped while saving leaves a newer folder that does not load)
+    checkpoint = newest_complete_checkpoint([output_dir])[0]
     if checkpoint is not None:
+        checkpoint = str(checkpoint)
         return checkpoint, [f"No final model is saved in `{output_dir}`: the code below loads its last checkpoint, "
                             f"`{Path(checkpoint).name}`.", ""]
     return name, [f"No model was saved in `{output_dir}` when this card was written: `Trainer.save_model()` writes it "

@@ -24,6 +24,7 @@ from ..attention import sequence
 from ..attention.dense import DENSE_BACKEND_ENV
 from ..attention.layout import SparseLayout
 from ..backends import require_matplotlib
+from ..checkpoint_marker import newest_complete_checkpoint
 from ..config import SparseAttentionConfig, language_config
 from ..config.files import adapter_base
 from ..integration.interfaces import is_patched, patch, unpatch
@@ -194,12 +195,10 @@ def layout_figure(
 
 
 def find_model(run_dir: str | Path) -> Path:
-    """The saved model of a run: `run_dir` itself, else its last checkpoint. FileNotFoundError naming the fix."""
-    from transformers.trainer_utils import get_last_checkpoint
-
+    """The saved model of a run: `run_dir` itself, else its last complete checkpoint. FileNotFoundError naming the
+    fix."""
     run_dir = Path(run_dir)
-    last = get_last_checkpoint(str(run_dir)) if run_dir.is_dir() else None
-    for folder in (run_dir, Path(last) if last else None):
+    for folder in (run_dir, newest_complete_checkpoint([run_dir])[0]):
         if folder is not None and any((folder / name).is_file() for name in ("config.json", ADAPTER_CONFIG)):
             return folder
     raise FileNotFoundError(

@@ -8,8 +8,8 @@
 * `token_ids.py`: the CP data loader's check of token ids against the model's vocabulary, on the host;
 * `curriculum.py`: `--cp_schedule`, a context-length curriculum switched online (`enable_curriculum`), whose
   stages `schedule.py` reads;
-* `checkpoints.py`: checks a resume against the run, and FSDP2's sharded checkpoints; `checkpoint_marker.py`: the
-  marker that says a checkpoint is complete, read without torch (the launcher reads it after a Ctrl-C);
+* `checkpoints.py`: checks a resume against the run, and FSDP2's sharded checkpoints (the marker that says a
+  checkpoint is complete is read without torch by `hf_sparse_cp.checkpoint_marker`, below the layers);
 * `cpu_fsdp.py`: `--fsdp` as FSDP2 on CPU processes; `smet.py`: `install_smet` / `uninstall_smet`;
 * `callbacks.py`: kept-fraction and SMET logging; `packing.py`: the block-aligned packing collator.
 """

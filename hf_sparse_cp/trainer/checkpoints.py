@@ -42,6 +42,7 @@ from accelerate.utils.constants import FSDP_MODEL_NAME
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from ..checkpoint_marker import MARKER, newest_complete_checkpoint, read_marker
 from ..distributed import ParallelDims
 from ..integration import compat
 from ..integration.architectures import transformers_release
@@ -50,7 +51,6 @@ from ..resharding.resume import SHARDED_STATE, has_sharded_state, resharded_load
 from ..smet.factory import SMETOptimizerFactory
 from .arguments import flag_errors
 from .callbacks import StepMetricsCallback
-from .checkpoint_marker import MARKER, newest_complete_checkpoint, read_marker
 
 try:
     import resource  # (POSIX: the file-size limit)

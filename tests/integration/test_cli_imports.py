@@ -82,7 +82,7 @@ def test_the_interrupted_line_names_the_checkpoint_without_importing_torch(tmp_p
     machine, more than the processes took to stop); it now reads the markers alone."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    from hf_sparse_cp.trainer.checkpoint_marker import CHECKPOINT_PREFIX, MARKER
+    from hf_sparse_cp.checkpoint_marker import CHECKPOINT_PREFIX, MARKER
 
     assert CHECKPOINT_PREFIX == PREFIX_CHECKPOINT_DIR  # (the Trainer's checkpoint-N folders)
     for step, complete in ((2, True), (4, False)):

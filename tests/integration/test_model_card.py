@@ -3,6 +3,7 @@ the batch size and optimizer lines the stock card gets wrong, and a saved model 
 
 import dataclasses
 import importlib.metadata
+import json
 import os
 import re
 import subprocess
@@ -21,6 +22,7 @@ from hf_sparse_cp import (
     enable_sparse_attention,
     install_smet,
 )
+from hf_sparse_cp.checkpoint_marker import MARKER
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
@@ -701,6 +703,12 @@ def test_the_quick_start_loads_the_model_where_it_is_saved(smet_run, tmp_path, m
     card = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN).read_text()
     assert (f"No final model is saved in `{tmp_path}`: the code below loads its last checkpoint, `checkpoint-10`."
             in card)
+    assert f'AutoModelForCausalLM.from_pretrained("{tmp_path / "checkpoint-10"}")' in card
+    # (a run stopped while saving checkpoint-12: its marker says in progress, and the folder may hold no weights yet;
+    # transformers' get_last_checkpoint named it)
+    (tmp_path / "checkpoint-12").mkdir()
+    (tmp_path / "checkpoint-12" / MARKER).write_text(json.dumps({"complete": False, "step": 12}))
+    card = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN).read_text()
     assert f'AutoModelForCausalLM.from_pretrained("{tmp_path / "checkpoint-10"}")' in card
     trainer.save_model()
     card = write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN).read_text()

@@ -1,6 +1,8 @@
-"""A checkpoint's marker (`MARKER`), read without torch or transformers: the launcher reads it, once a run it
-started was stopped, to name the checkpoint it continues from (`launch.interrupts`), where importing `checkpoints`
-(the Trainer's) took seconds after the Ctrl-C. `checkpoints` writes the markers and checks a resume against them."""
+"""A checkpoint's marker (`MARKER`), read without torch or transformers, and the newest complete checkpoint of a
+run, the one rule by which the launcher (once a run it started was stopped, naming the checkpoint it continues from:
+`launch.interrupts`, where importing the Trainer's `checkpoints` took seconds after the Ctrl-C) and the reports (the
+model card's quick start, `hf-sparse-cp plot`) find a run's last checkpoint. A leaf below every layer that reads
+it; `trainer.checkpoints` writes the markers and checks a resume against them."""
 
 from __future__ import annotations
 
