@@ -13,7 +13,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -378,6 +378,23 @@ def add_cp_mode_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp_ulysses_size", type=positive(int), default=None,
                         help="For --cp_mode hybrid: ranks per head group (within a node); the ring spans the CP size "
                         "over it.")
+
+
+def refuse_group_settings_without_cp(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                                     cp_sizes: Iterable[int]) -> None:
+    """Refuse, naming them and the fix, the settings of how a CP group shares its sequences (`--cp_mode ulysses`,
+    `--cp_sharding document`, ...) where no CP size asked (`cp_sizes`) is above 1: no prediction reads them, as a
+    training run with --cp_size 1 would not, which refuses them by the same rule (`ContextParallelConfig
+    .group_settings`, the settings moved from their defaults)."""
+    if max(cp_sizes) > 1:
+        return
+    names = [f.name for f in fields(ContextParallelConfig) if f.name != "cp_size" and hasattr(args, f.name)]
+    given = ContextParallelConfig(cp_size=1, **{name: getattr(args, name) for name in names}).group_settings()
+    if given:
+        they = len(given) > 1
+        parser.error(f"{', '.join(given)} {'say' if they else 'says'} how a CP group shares its sequences; with --cp 1 "
+                     f"(no context parallelism) {'they' if they else 'it'} would be ignored: drop "
+                     f"{'them' if they else 'it'}, or give --cp N (N > 1).")
 
 
 def cp_layout(args: argparse.Namespace, cp_size: int) -> tuple[CPMode, int]:

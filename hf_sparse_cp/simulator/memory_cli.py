@@ -36,6 +36,7 @@ from .arguments import (
     fraction,
     model_name,
     read_config,
+    refuse_group_settings_without_cp,
     write_output,
 )
 from .kept_curve import DEFAULT_CURVE, KeptCurve
@@ -201,11 +202,7 @@ def given_flags(argv: list[str] | None, prog: str) -> set[str]:
 def _check_read(args, parser: argparse.ArgumentParser, given: set[str], pattern: SparseAttentionConfig) -> None:
     """Refuse a flag that the other settings given would not read (silently ignored otherwise), naming both and the
     fix."""
-    cp_flags = [name for name in ("cp_mode", "cp_ulysses_size", "cp_sharding", "cp_planner_max_token_ratio")
-                if name in given]
-    if cp_flags and args.cp == 1:  # (training refuses them at CP 1 too)
-        parser.error(f"--{cp_flags[0]} {getattr(args, cp_flags[0])} says how a CP group shares its sequences; with "
-                     "--cp 1 (no context parallelism) it would be ignored: drop it, or give --cp N (N > 1).")
+    refuse_group_settings_without_cp(args, parser, [args.cp])  # (as training refuses them at CP 1, and simulate)
     if "smet_density" in given and args.optimizer != "smet":
         parser.error(f"--smet-density {args.smet_density} is SMET's active fraction (--optimizer smet); with "
                      f"--optimizer {args.optimizer} it would be ignored: drop it, or use --optimizer smet.")

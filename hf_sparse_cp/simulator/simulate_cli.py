@@ -72,6 +72,7 @@ from .arguments import (
     fraction,
     model_name,
     model_shape,
+    refuse_group_settings_without_cp,
     write_output,
 )
 from .head_parallel import head_parallel_setup, predict_head_parallel_step
@@ -215,6 +216,7 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
     if args.dense_first_layers > model.layers:  # (predict_step refuses it, as a traceback, after the first rows)
         p.error(f"--dense-first-layers {args.dense_first_layers}: {model_name(args)} has {model.layers} layers; give "
                 f"at most {model.layers} (all of them dense).")
+    refuse_group_settings_without_cp(args, p, args.cp)  # (as training refuses them at CP 1, and memory)
     for cp in args.cp:  # (the model's heads bound the head groups)
         try:
             HeadSplit(model.heads, model.kv_heads, cp_layout(args, cp)[1])

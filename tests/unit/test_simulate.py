@@ -451,6 +451,30 @@ def test_more_head_parallel_ranks_than_query_heads_are_refused_before_simulating
     assert "configuration" not in out  # (no row simulated)
 
 
+@pytest.mark.parametrize("command", ["simulate", "memory"])
+def test_a_cp_mode_at_cp_1_is_refused_by_simulate_and_memory_alike(capsys, command):
+    """`simulate --cp 1 --cp_mode ulysses` answered (printing 'CP 1 runs ring') where `memory --cp 1 --cp_mode
+    ulysses` refused: both refuse it, as training refuses --cp_mode ulysses with --cp_size 1; a mode read at another
+    CP size of the sweep, and the default mode, pass."""
+    from hf_sparse_cp.distributed import ContextParallelConfig
+    from hf_sparse_cp.simulator import memory_cli, simulate_cli
+
+    main = simulate_cli.main if command == "simulate" else memory_cli.main
+    argv = ["--model", "qwen2.5-0.5b", "--seq" if command == "simulate" else "--seq-len", "4096"]
+    with pytest.raises(SystemExit) as refused:
+        main([*argv, "--cp", "1", "--cp_mode", "ulysses"])
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and not out
+    assert ("error: --cp_mode ulysses says how a CP group shares its sequences; with --cp 1 (no context "
+            "parallelism) it would be ignored: drop it, or give --cp N (N > 1).") in err
+    assert ContextParallelConfig(cp_size=1, cp_mode="ulysses").group_settings() == ["--cp_mode ulysses"]  # training's
+    if command == "simulate":  # (its flags alone: its run starts a process)
+        simulate_cli.parse_args([*argv, "--cp", "1", "2", "--cp_mode", "ulysses"])
+        simulate_cli.parse_args([*argv, "--cp", "1", "--cp_mode", "ring"])
+    else:
+        main([*argv, "--cp", "1", "--cp_mode", "ring"])  # (no SystemExit: answered)
+
+
 def test_every_argument_is_checked_before_anything_prints_and_refused_as_argparse_refuses(capsys, tmp_path):
     """`simulate --seq 1000 --cp 2` printed the header rows, then its refusal without `error:`, exit status 1: now
     every argument the command can check is checked first, and refused as argparse refuses a flag (prog: error:
