@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from ..launch_env import in_launched_group, launched_world_size
 from .comm import RingTopology, group_timeout, naming_unresponsive_ranks, warm_up
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 def _launch_hint(env: Mapping[str, str]) -> str:
     """How to start the processes, for a run that finds itself alone."""
-    if "ACCELERATE_MIXED_PRECISION" in env and "WORLD_SIZE" not in env:
+    if "ACCELERATE_MIXED_PRECISION" in env and not in_launched_group(env):
         # accelerate's simple launcher (a MULTI_CPU config without --mpirun_hostfile) starts one process
         return ("`accelerate launch` started a single process. A MULTI_CPU config starts its processes with MPI only "
                 "(--mpirun_hostfile); for N processes on this machine use a MULTI_GPU config (accelerate then starts "
@@ -73,14 +74,15 @@ def check_sizes(world_size: int, cp_size: int) -> None:
 def check_launched(cp_sizes: Iterable[int], env: Mapping[str, str] = os.environ) -> None:
     """Raise a ValueError that says how to launch unless this process's launch can run these CP degrees: none
     above 1 in a process that runs alone, each dividing the number of processes (WORLD_SIZE, which torchrun and
-    accelerate launch set). Cheap: call it before building data, which a refused launch would waste."""
-    world = int(env.get("WORLD_SIZE", "1"))
+    accelerate launch set with RANK: `launched_world_size`). Cheap: call it before building data, which a refused
+    launch would waste."""
+    world = launched_world_size(env)
     for cp_size in cp_sizes:
-        if cp_size > 1 and "WORLD_SIZE" not in env:
+        if cp_size > 1 and world is None:
             raise ValueError(f"cp_size={cp_size} splits each sequence over {cp_size} processes, and this one runs "
                              f"alone: {_launch_hint(env)} N: a multiple of {cp_size}; or train with cp_size 1 in "
                              "one process.")
-        check_sizes(world, cp_size)
+        check_sizes(world or 1, cp_size)
 
 
 def ring_shape(cp_size: int, config, env: Mapping[str, str] = os.environ, *,

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from ..launch_env import launched_world_size
 from .refusals import REPORTS_ENV
 
 INTERRUPTED = 128 + signal.SIGINT  # (the shell's status for a command ended by Ctrl-C)
@@ -57,6 +58,6 @@ def end_interrupted(output_dirs: Sequence[str]) -> NoReturn:
     """Exit with `INTERRUPTED`, no traceback: in silence in a process `hf-sparse-cp` launched (the launcher prints
     the line, once), else after the line from the first rank (of a run under torchrun itself: its world size)."""
     if not os.environ.get(REPORTS_ENV) and os.environ.get("RANK", "0") == "0":
-        sys.stderr.write(interrupted_line(int(os.environ.get("WORLD_SIZE", "1")), output_dirs))
+        sys.stderr.write(interrupted_line(launched_world_size() or 1, output_dirs))
         sys.stderr.flush()
     sys.exit(INTERRUPTED)

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 
+from ..launch_env import in_launched_group, launched_env
 from .interrupts import INTERRUPTED, interrupted_line, recorded_output_dirs
 from .refusals import REPORTS_ENV
 
@@ -140,14 +141,6 @@ def launched_processes(options: argparse.Namespace, env: Mapping[str, str] = os.
     return options.nproc if options.nproc > 1 and not in_launched_group(env) else None
 
 
-def in_launched_group(env: Mapping[str, str] = os.environ) -> bool:
-    """Whether this process is one of a launched group (torchrun's, accelerate launch's), which runs the command in
-    itself: its launcher set WORLD_SIZE and RANK. A WORLD_SIZE alone is a shell's (a cluster job script exports it
-    before its torchrun line), which launched nothing: `--nproc N` ran here, alone, and failed in accelerate on an
-    unset MASTER_ADDR."""
-    return "WORLD_SIZE" in env and "RANK" in env
-
-
 def accelerator_count() -> int:
     """The accelerators this process sees: `torch.accelerator.device_count()` where torch has it, else CUDA's."""
     import torch
@@ -178,7 +171,7 @@ def refuse_unlaunchable(parser: argparse.ArgumentParser, arguments, processes: i
     the CP degrees of `arguments` (the plugin's, `PluginArgumentsMixin`), each of which would refuse them
     (`check_launch`; under the accelerate `config`, `check_training_arguments` too: a DeepSpeed config), before any
     starts."""
-    env = {"WORLD_SIZE": str(processes)}  # (what the launcher sets in each process)
+    env = launched_env(processes)  # (what the launcher sets in each process)
     try:
         arguments.check_launch(env)
         cp_size = max(cp_size for _, cp_size in arguments.cp_degrees())

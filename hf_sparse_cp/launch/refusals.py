@@ -32,6 +32,8 @@ import sys
 from collections.abc import Iterator
 from typing import NoReturn
 
+from ..launch_env import launched_world_size
+
 # argparse's status for a bad flag (an uncaught exception ends a process with 1)
 REFUSED = 2
 LAUNCHERS = {"torchrun": "torch.distributed.run", "accelerate": "accelerate.commands.launch"}
@@ -80,7 +82,7 @@ def first_to_report(message: str) -> bool:
         except RuntimeError:  # (the store's host gone: torch raises DistError, a RuntimeError)
             return True
     folder = os.environ.get(REPORTS_ENV)
-    if not folder or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if not folder or (launched_world_size() or 1) == 1:
         return True
     try:
         os.close(os.open(os.path.join(folder, _key(message)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))

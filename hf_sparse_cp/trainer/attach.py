@@ -50,6 +50,7 @@ from ..integration.models import (
 from ..integration.patching import PatchSet, attached_patches, record_on, undo_recorded
 from ..integration.registration import guard_registration, select_backend, store_pattern
 from ..integration.stats import pop_kept_fractions
+from ..launch_env import launched_world_size
 from .arguments import SparseAttentionFlags, SparseCPArguments, flag_errors
 from .callbacks import SparsityLoggingCallback, StepMetricsCallback
 from .checkpoints import protect_checkpoints
@@ -235,7 +236,7 @@ def check_launch(trainer: Trainer) -> None:
     """Raise ValueError, naming the fix, when the processes launched and the Trainer's view of them
     disagree: e.g. torchrun on CPU without `--use_cpu` starts N processes that accelerate then runs
     as N independent single-process jobs, each training its own model with no gradient sync."""
-    launched = max(rank_and_world()[1], int(os.environ.get("WORLD_SIZE", "1")))
+    launched = max(rank_and_world()[1], launched_world_size() or 1)
     running = trainer.accelerator.num_processes
     if launched == running:
         return

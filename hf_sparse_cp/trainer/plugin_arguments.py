@@ -21,6 +21,7 @@ from ..attention.engines import check_engine_trains_on
 from ..config import SparseAttentionConfig
 from ..config.files import KnownKeywords, check_field_types, unread_fields_checked_by_caller
 from ..distributed import ContextParallelConfig, check_launched, check_ring
+from ..launch_env import launched_world_size
 from ..scoped import scoped
 from ..smet import SMETConfig
 from ..smet.config import module_names
@@ -90,9 +91,7 @@ def launch_world_size(env: Mapping[str, str] = os.environ) -> int | None:
     """The processes of the run whose flags parse: the launcher's count as it parses them before starting the
     processes (`parsing_for_launch`), WORLD_SIZE in a launched process, None where not known (a process alone)."""
     processes = _LAUNCH_PROCESSES.get() if is_parsing_for_launch() else None
-    if processes is None and "WORLD_SIZE" in env:
-        processes = int(env["WORLD_SIZE"])
-    return processes
+    return launched_world_size(env) if processes is None else processes
 
 
 # True inside `parsing_for_cpu`: the script's arguments give --use_cpu, a field the plugin's own arguments lack.

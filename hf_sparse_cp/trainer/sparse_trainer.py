@@ -45,6 +45,7 @@ from ..distributed.mesh import every_rank_at_exit
 from ..integration import compat
 from ..integration.given import require_subclass
 from ..integration.patching import PatchSet
+from ..launch_env import in_launched_group, launched_env
 from ..reporting.model_card import write_sparse_model_card
 from .arguments import (
     flag_errors,
@@ -129,7 +130,7 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
             self.use_cpu = True
         # (transformers' own error comes later and names no fix; the launcher's parse before starting the processes
         # stands for one of them)
-        if self.fsdp and "WORLD_SIZE" not in os.environ and not is_parsing_for_launch():
+        if self.fsdp and not in_launched_group() and not is_parsing_for_launch():
             with flag_errors():
                 raise ValueError(
                     "--fsdp shards the model over processes, and this one runs alone: launch several, e.g. "
@@ -154,7 +155,7 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
                 if world is not None:
                     # each stage's CP degree against the processes first: a length refused for its blocks per CP
                     # rank named other lengths, which the processes then refused for the degree (3:256:3 on 2)
-                    self.check_launch({"WORLD_SIZE": str(world)})
+                    self.check_launch(launched_env(world))
                 # The pattern the model will run: these flags' without a --sparse_config file; with one, which of
                 # the two gives a field waits for the flags the user typed (`explicit_flags`, set after parsing).
                 known = self.sparse_attention and self.sparse_config is None

@@ -17,6 +17,7 @@ from hf_sparse_cp import SparseTrainingArguments
 from hf_sparse_cp.examples import train_long_context
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
 from hf_sparse_cp.examples.train_long_context import ScriptArguments, parse_args
+from hf_sparse_cp.launch_env import launched_env
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,7 +173,7 @@ def test_every_command_of_the_example_parses_and_launches_the_processes_its_cp_d
         except SystemExit:
             pytest.fail(f"{page}: `{command}` does not parse")
         try:
-            parsed.training.check_launch({"WORLD_SIZE": str(_launched_processes(command))})
+            parsed.training.check_launch(launched_env(_launched_processes(command)))
         except ValueError as e:
             pytest.fail(f"{page}: `{command}`: {e}")
 

@@ -129,6 +129,7 @@ def test_a_gpu_accelerate_config_on_a_machine_without_gpus_names_the_cpu_one_bef
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")  # what accelerate launch sets from that file
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "8")
     monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(example, "passkey_train_data", lambda *a, **k: pytest.fail("built the data first"))
     with pytest.raises(SystemExit):
         example.main(["--recipe", "qwen2.5-3b_128k", "--max_steps", "1"])

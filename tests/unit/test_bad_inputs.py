@@ -1428,13 +1428,13 @@ def test_position_ids_that_restart_inside_a_document_of_the_mask_or_cu_seq_lens_
 
 @pytest.mark.parametrize("cp, env, refused", [
     # --cp_node_size 3 for a CP group of 2 (a ValueError traceback on every rank, after the data was built)
-    ({"cp_size": 2, "cp_node_size": 3}, {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+    ({"cp_size": 2, "cp_node_size": 3}, {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2"},
      "a node holds 3 ranks (--cp_node_size 3), which is not a multiple of cp_size=2"),
     # the launcher's count of ranks per node
-    ({"cp_size": 4}, {"WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "3"},
+    ({"cp_size": 4}, {"WORLD_SIZE": "12", "RANK": "0", "LOCAL_WORLD_SIZE": "3"},
      "cp_size=4 is not a multiple of the 3 ranks per node (LOCAL_WORLD_SIZE=3)"),
     # set by hand (a job script): int()'s 'invalid literal', or a division by zero
-    *(({"cp_size": 4}, {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": local},
+    *(({"cp_size": 4}, {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_WORLD_SIZE": local},
        f"LOCAL_WORLD_SIZE='{local}' is not a count of ranks per node") for local in ("two", "0")),
 ])
 def test_a_hierarchical_ring_the_nodes_cannot_hold_is_refused_at_launch(tmp_path, cp, env, refused):
@@ -1451,7 +1451,7 @@ def test_a_hierarchical_ring_the_nodes_cannot_hold_is_refused_at_launch(tmp_path
     with pytest.raises(ValueError, match=re.escape(refused)):
         args().check_launch(env)
     if "cp_node_size" not in cp:  # (no ranks per node known, from the launch or the flag: nothing to check)
-        args().check_launch({"WORLD_SIZE": env["WORLD_SIZE"]})
+        args().check_launch({"WORLD_SIZE": env["WORLD_SIZE"], "RANK": "0"})
     args(cp_node_size=2).check_launch(env)  # two nodes' inner rings of 2 (4), or one node of 2 (flat)
 
 

@@ -20,6 +20,7 @@ from hf_sparse_cp.integration.compat import argument_parser_classes
 from hf_sparse_cp.launch.command import parse_plugin_flags, split_command
 from hf_sparse_cp.launch.launched import attention_asked, attention_replaced, launched, plugin_flags_in
 from hf_sparse_cp.launch.processes import RUN_MODULE
+from hf_sparse_cp.launch_env import launched_env, launched_world_size
 from hf_sparse_cp.recipes import recipe_path
 from hf_sparse_cp.run import main as run
 from hf_sparse_cp.trainer.plugin_arguments import COMMON_FLAGS, PluginArguments
@@ -136,8 +137,8 @@ def test_a_cp_degree_this_launch_cannot_run_is_refused_at_parse_time(tmp_path, m
     assert ("error: --cp_schedule stage 1 (2:512:2): cp_size=2 splits each sequence over 2 processes, and this one "
             "runs alone") in capsys.readouterr().err
     with pytest.raises(ValueError, match="cp_size=2 does not divide the world size 3"):  # what the parse checks
-        check_launched([1, 2], {"WORLD_SIZE": "3"})
-    check_launched([1, 2, 4], {"WORLD_SIZE": "4"})
+        check_launched([1, 2], launched_env(3))
+    check_launched([1, 2, 4], launched_env(4))
 
 
 def test_a_schedule_stage_s_cp_degree_is_refused_before_its_length(tmp_path, monkeypatch):
@@ -1424,6 +1425,32 @@ def test_a_world_size_the_shell_exported_does_not_keep_nproc_from_launching(star
         monkeypatch.setenv("RANK", rank)
     assert cli.main(["launch", "--nproc", "2", "train.py"]) == 0
     assert [command[-3:] for command in started] == ([["-m", RUN_MODULE, "train.py"]] if launches else [])
+
+
+@pytest.mark.parametrize("exported", ["1", "2"])
+def test_a_world_size_the_shell_exported_is_a_process_alone_for_every_check(monkeypatch, tmp_path, exported):
+    """The launcher took a WORLD_SIZE without RANK for a shell's (013dd209), where the flags' count of processes, the
+    --fsdp check, the Trainer's launch check and the CP degrees' took it for a launched group's: WORLD_SIZE=1
+    exported let --fsdp past its refusal (to fail later in transformers), WORLD_SIZE=2 passed --cp_size 2 in a process
+    alone and refused a Trainer of one process as launched twice. One rule (`launch_env`) for all: it runs alone."""
+    import types
+
+    from hf_sparse_cp import SparseTrainingArguments
+    from hf_sparse_cp.launch_env import in_launched_group
+    from hf_sparse_cp.trainer.attach import check_launch
+    from hf_sparse_cp.trainer.plugin_arguments import launch_world_size
+
+    monkeypatch.setenv("WORLD_SIZE", exported)
+    monkeypatch.delenv("RANK", raising=False)
+    assert not in_launched_group() and launched_world_size() is None and launch_world_size() is None
+    with pytest.raises(ValueError, match="this one runs alone"):
+        check_launched([2], {"WORLD_SIZE": exported})
+    with pytest.raises(ValueError, match="--fsdp shards the model over processes, and this one runs alone"):
+        SparseTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, fsdp="full_shard")
+    check_launch(types.SimpleNamespace(accelerator=types.SimpleNamespace(num_processes=1),
+                                       args=types.SimpleNamespace(use_cpu=True)))  # (one process, as it runs)
+    monkeypatch.setenv("RANK", "0")  # a launched group's process: its WORLD_SIZE counts
+    assert launched_world_size() == launch_world_size() == int(exported)
 
 
 @pytest.mark.parametrize("command", ["launch", "train"])

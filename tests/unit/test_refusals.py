@@ -37,6 +37,7 @@ def test_before_a_process_group_each_message_is_reported_once_per_launch_folder(
     them to mark the message in the launcher's folder prints it."""
     monkeypatch.setenv(REPORTS_ENV, str(tmp_path))
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")  # (what the launcher sets in each: `launch_env`)
     for rank in range(2):  # (two processes of the launch, one after the other)
         with pytest.raises(SystemExit) as ended:
             exit_refused("usage: train.py [FLAGS]\ntrain.py: error: argument --cp_mode: invalid choice: 'foo'\n")
@@ -240,6 +241,7 @@ def test_processes_the_trainer_does_not_see_are_refused_naming_the_fix_that_appl
     from hf_sparse_cp.trainer.attach import check_launch
 
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
     trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(num_processes=1),
                                     args=types.SimpleNamespace(use_cpu=use_cpu))
