@@ -20,6 +20,7 @@ from hf_sparse_cp.distributed import (
 )
 from hf_sparse_cp.distributed.mesh import check_ring, ring_shape
 from hf_sparse_cp.distributed.ring.plan import RingPlan, TransferSets, read_matrix, slot_ops
+from hf_sparse_cp.distributed.split.blocks import batch_meta
 from hf_sparse_cp.integration.models import check_model_supports_context_parallel
 from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
 
@@ -216,13 +217,18 @@ def test_padding_between_packed_documents_is_refused_naming_the_packing_fix():
     positions = torch.cat([torch.arange(20), torch.arange(12), torch.arange(28)]).unsqueeze(0)
     mask = torch.ones_like(ids)
     mask[0, 20:32] = 0
+    masked = {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
     with pytest.raises(ValueError, match=r"row 0, whose position_ids restart .*leave the attention_mask out.*"
-                                         r"BlockAlignedFlattening.*--cp_size 1"):
-        prepare_context_parallel_inputs({"input_ids": ids, "position_ids": positions, "attention_mask": mask},
-                                        ParallelDims.single(), block_size=16)
+                                         r"BlockAlignedFlattening") as refused:
+        prepare_context_parallel_inputs(masked, ParallelDims.single(), block_size=16)
+    # (8b77454e named --cp_size 1 too, where the masked row trains as it warns: its two documents one segment)
+    assert "--cp_size 1" not in str(refused.value)
+    assert batch_meta(masked).segment[0, 0] == batch_meta(masked).segment[0, -1]
     fixed = {"input_ids": ids.masked_fill(mask == 0, 0), "position_ids": positions,
              "labels": ids.masked_fill((mask == 0) | (positions == 0), -100)}
     assert prepare_context_parallel_inputs(fixed, ParallelDims.single(), block_size=16)["input_ids"].shape[1] >= 60
+    segments = batch_meta(fixed).segment[0]  # the named fix keeps the documents apart
+    assert len({int(segments[0]), int(segments[25]), int(segments[-1])}) == 3
 
 
 def test_the_tokens_per_second_count_takes_padding_between_tokens_which_only_cp_refuses():

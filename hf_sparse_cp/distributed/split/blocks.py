@@ -322,12 +322,12 @@ def sequence_meta(inputs: Mapping[str, Any]) -> TokenMeta:
     if row is not None and _packs_documents(inputs, row):
         raise ValueError(
             f"attention_mask pads between the tokens of row {row}, whose position_ids restart (packed documents): with "
-            "a padding mask SDPA and flash-attention attend across such documents (the mask, not the position_ids, "
-            "says what attends: one process does so too), and context parallelism takes padding at "
-            "the start or the end of a row only. To keep the documents apart, leave the attention_mask out and give "
-            "the padding between them a run of its own: position_ids that restart and labels -100, as "
-            "hf_sparse_cp.trainer.packing.BlockAlignedFlattening pads (DataCollatorWithFlattening's rows need none); "
-            "or train without context parallelism (--cp_size 1).")
+            "a padding mask, attention (SDPA, flash-attention, sparse_cp) crosses such documents (the mask, not the "
+            "position_ids, says what attends: in one process too, so training without context parallelism is no "
+            "fix), and context parallelism takes padding at the start or the end of a row only. To keep the "
+            "documents apart, leave the attention_mask out and give the padding between them a run of its own: "
+            "position_ids that restart and labels -100, as hf_sparse_cp.trainer.packing.BlockAlignedFlattening pads "
+            "(DataCollatorWithFlattening's rows need none).")
     if row is not None:
         raise ValueError(
             f"attention_mask pads between the tokens of row {row} (a 0 between two 1s, e.g. left padding after PEFT "
