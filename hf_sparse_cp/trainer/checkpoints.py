@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from accelerate.utils.constants import FSDP_MODEL_NAME
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoint_marker import MARKER, newest_complete_checkpoint, read_marker
 from ..distributed import ParallelDims
@@ -242,7 +242,8 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], marker: dict[
     is there only), and an FSDP2 run one saved without FSDP (nothing there for FSDP to load)."""
     folder = Path(folder)
     if not folder.is_dir():
-        near = get_last_checkpoint(str(folder.parent)) if folder.parent.is_dir() else None
+        # (the newest complete one: a newer folder a run stopped while saving would be refused in turn)
+        near = newest_complete_checkpoint([folder.parent])[0] if folder.parent.is_dir() else None
         fix = (f"resume from one that does, e.g. the newest there: --resume_from_checkpoint {near}" if near else
                "give a checkpoint-N folder that a run saved in its --output_dir")
         raise ValueError(f"Checkpoint {str(folder)!r} does not exist: {fix}.")
@@ -266,10 +267,11 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], marker: dict[
         int(p.name.rsplit("-", 1)[1]) for p in folder.glob(PREFIX_CHECKPOINT_DIR + "-*")
         if p.name.rsplit("-", 1)[1].isdigit() and p.is_dir())
     if steps:  # (the Trainer's own error, raised on every rank, names no fix)
+        newest = newest_complete_checkpoint([folder])[0]
         raise ValueError(f"{str(folder)!r} is a run's output folder, not a checkpoint: it holds checkpoints "
-                         f"({', '.join(f'{PREFIX_CHECKPOINT_DIR}-{step}' for step in steps)}). Resume from one of "
-                         f"them, e.g. the newest: --resume_from_checkpoint "
-                         f"{folder / f'{PREFIX_CHECKPOINT_DIR}-{steps[-1]}'}.")
+                         f"({', '.join(f'{PREFIX_CHECKPOINT_DIR}-{step}' for step in steps)}). "
+                         + (f"Resume from one of them, e.g. the newest complete one: --resume_from_checkpoint {newest}."
+                            if newest is not None else "None of them is complete (each saved in part): start anew."))
     if marker is None:
         logger.warning("Checkpoint %s was not written by an hf-sparse-cp run (no %s): resuming without checking "
                        "that it is complete and fits this run.", folder, MARKER)

@@ -7,6 +7,7 @@ FSDP2 with SMET saved at 4 processes and resumed at 2, then at 4 with CP 2, thro
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -132,8 +133,8 @@ def test_an_output_folder_given_as_the_checkpoint_is_refused_naming_its_newest_c
     out, _ = saved
     trainer = _trainer(tmp_path)
     with pytest.raises(ValueError, match="is a run's output folder, not a checkpoint: it holds checkpoints "
-                                         "\\(checkpoint-2, checkpoint-4\\). Resume from one of them, e.g. the newest: "
-                                         f"--resume_from_checkpoint {out / 'checkpoint-4'}"):
+                                         "\\(checkpoint-2, checkpoint-4\\). Resume from one of them, e.g. the newest "
+                                         f"complete one: --resume_from_checkpoint {out / 'checkpoint-4'}"):
         trainer.train(resume_from_checkpoint=str(out))
 
 
@@ -141,9 +142,16 @@ def test_a_checkpoint_that_does_not_exist_is_refused_naming_one_that_does(saved,
     """A mistyped checkpoint: named with the newest of its folder's checkpoints, or how to give one."""
     out, _ = saved
     trainer = _trainer(tmp_path)
-    with pytest.raises(ValueError, match="'.*checkpoint-3' does not exist: resume from one that does, e.g. the newest "
-                                         f"there: --resume_from_checkpoint {out / 'checkpoint-4'}"):
-        trainer.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    # (a run stopped while saving checkpoint-6: get_last_checkpoint named it, which a resume refuses as incomplete)
+    stopped = out / "checkpoint-6"
+    stopped.mkdir()
+    try:
+        (stopped / MARKER).write_text(json.dumps({"complete": False, "step": 6}))
+        with pytest.raises(ValueError, match="'.*checkpoint-3' does not exist: resume from one that does, e.g. the "
+                                             f"newest there: --resume_from_checkpoint {out / 'checkpoint-4'}"):
+            trainer.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    finally:
+        shutil.rmtree(stopped)
     with pytest.raises(ValueError, match="does not exist: give a checkpoint-N folder that a run saved in its "
                                          "--output_dir"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "nowhere" / "checkpoint-3"))
