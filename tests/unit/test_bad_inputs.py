@@ -622,8 +622,8 @@ def _train_command_error(capsys, argv: list[str]) -> str:
 def test_recipe_without_a_name_says_it_needs_one(capsys, argv):
     """Issue #41 item 8: `--recipe` alone ended in 'unrecognized arguments: --recipe'."""
     err = _train_command_error(capsys, argv)
-    assert re.search(r"^\S+: error: --recipe needs a NAME: a shipped training recipe \(`hf-sparse-cp recipes` "
-                     r"lists them\) or a YAML/JSON file of flags", err, re.MULTILINE), err
+    assert re.search(r"^hf-sparse-cp train: error: --recipe needs a NAME: a shipped training recipe "
+                     r"\(`hf-sparse-cp recipes` lists them\) or a YAML/JSON file of flags", err, re.MULTILINE), err
 
 
 def test_an_accelerate_config_given_as_a_recipe_is_named_a_launch_config(capsys, tmp_path):
@@ -632,7 +632,7 @@ def test_an_accelerate_config_given_as_a_recipe_is_named_a_launch_config(capsys,
     own.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_processes: 2\n")
     for argv, file in ((["--recipe", "cpu_2proc_cp2"], "cpu_2proc_cp2.yaml"), ([str(own)], str(own))):
         err = _train_command_error(capsys, argv)
-        assert re.search(rf"^\S+: error: \S*{re.escape(file)} is a launch config for `accelerate launch "
+        assert re.search(rf"^hf-sparse-cp train: error: \S*{re.escape(file)} is a launch config for `accelerate launch "
                          r"--config_file`, not a training recipe of flags: run `accelerate launch --config_file \S+ "
                          r"-m hf_sparse_cp.examples.train_long_context \[flags\]`", err, re.MULTILINE), err
         assert "unrecognized arguments" not in err
@@ -684,8 +684,8 @@ def test_a_recipe_of_another_kind_is_named_with_the_flag_that_takes_it(capsys, t
     flat.write_text('{"vertical_topk": 32, "min_seq_len": 0}')
     for given in ("trial", str(own), str(flat)):
         err = _train_command_error(capsys, ["--recipe", given])
-        expected = (r"^\S+: error: \S+ is a sparse pattern \(SparseAttentionConfig fields\), not a training recipe of "
-                    rf"flags: give it as `--sparse_config {re.escape(given)}`\.$")
+        expected = (r"^hf-sparse-cp train: error: \S+ is a sparse pattern \(SparseAttentionConfig fields\), not a "
+                    rf"training recipe of flags: give it as `--sparse_config {re.escape(given)}`\.$")
         assert re.search(expected, err, re.MULTILINE), err
         assert "is now" not in err
     recipe = tmp_path / "recipe.yaml"
