@@ -163,7 +163,7 @@ def test_a_missing_file_a_flag_names_is_refused_before_the_processes_start(monke
         with pytest.raises(SystemExit) as stopped:
             cli.main(["train", "--nproc", "2", *flags])
         err = capsys.readouterr().err
-        assert stopped.value.code == 2 and err.startswith("train_long_context.py: error: ") and named in err, err
+        assert stopped.value.code == 2 and err.startswith("hf-sparse-cp train: error: ") and named in err, err
     assert not started
 
 
@@ -503,7 +503,7 @@ def test_an_output_folder_is_refused_naming_its_checkpoint_folders_alone(tmp_pat
         (tmp_path / f"checkpoint-{step}").mkdir()
     (tmp_path / "checkpoint-30").write_text("a stray file")
     with pytest.raises(ValueError, match=re.escape("it holds checkpoints (checkpoint-2, checkpoint-10). Resume from "
-                                                   "one of them, e.g. the newest: --resume_from_checkpoint "
+                                                   "one of them, e.g. the newest complete one: --resume_from_checkpoint "
                                                    f"{tmp_path / 'checkpoint-10'}.")):
         check_checkpoint(tmp_path, {}, read_marker(tmp_path), reshardable=False)
 
