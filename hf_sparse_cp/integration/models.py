@@ -221,12 +221,13 @@ def _check_architecture(model: torch.nn.Module, fix: str) -> None:
             try:
                 shadow = _architecture(model)
                 impl, calls = compat.attn_implementation(shadow.config), _probe(shadow, "meta", with_shard=False)
-            except NonCausalMask:
+            except (NonCausalMask, RefusedAtMask):
                 raise
             except Exception:
                 impl, calls = _probe_switched(model)
-        except NonCausalMask as e:
-            raise non_causal_refusal(model, e, context_parallel=fix is _NO_CP_FIX) from None
+        except (NonCausalMask, RefusedAtMask) as e:  # (a mask refused: the refusal names the fix, which the switch
+            # the caller would otherwise advise cannot be)
+            raise _mask_refusal(model, e, context_parallel=fix is _NO_CP_FIX) from None
         except Exception:
             return
     _check_calls(model, impl, calls, fix)

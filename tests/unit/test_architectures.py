@@ -154,6 +154,25 @@ def test_falcon_with_alibi_loaded_on_the_backend_is_refused_at_its_mask_naming_t
     finally:
         hf_sparse_cp.unpatch()
 
+@pytest.mark.parametrize("model_type, overrides, cause", [
+    ("falcon", {"alibi": True}, r"Model type 'falcon' with alibi=True adds its ALiBi position bias"),
+    ("deepseek_v32", {}, r"Model type 'deepseek_v32' selects the keys each query attends to"),
+    ("doge", {}, r"Model type 'doge' builds its own 4D attention mask"),
+], ids=["falcon-alibi", "deepseek_v32", "doge"])
+def test_the_cp_check_of_a_model_not_switched_names_what_its_mask_refuses_not_the_switch(model_type, overrides, cause):
+    """The CP check of a model still on sdpa whose mask sparse_cp refuses (ALiBi added to it, a DSA indexer reading
+    it, a dynamic mask built from it) told the user to switch it ('train with --sparse_attention true ... or call
+    hf_sparse_cp.configure(model)'), which configure then refused: it names the cause, dense attention and no CP."""
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+        with pytest.raises(ValueError, match=cause + r".*--sparse_attention false.*drop --cp_size") as refused:
+            check_model_supports_context_parallel(model)
+        assert "configure(model)" not in str(refused.value)
+    finally:
+        hf_sparse_cp.unpatch()
+
+
 def test_an_architecture_routed_from_a_later_transformers_is_refused_before_it_naming_the_upgrade(monkeypatch):
     """CodeGen routes its attention through AttentionInterface from transformers 5.24; 5.17's (the GPU image's) kept
     eager, and test_cp_models' group holding it failed at configure. Before 5.24 it is refused naming the upgrade (the
@@ -215,19 +234,25 @@ def test_a_model_is_checked_as_training_switches_it_and_left_as_it_was(model_typ
     assert not any(m._forward_pre_hooks for m in model.modules())
 
 
-def test_a_model_that_builds_its_own_attention_mask_is_refused_at_the_check():
-    """Doge hands attention a 4D mask of its own (its dynamic mask), which sparse_cp cannot take: found by the probe
-    forward when the model is switched, and by the CP check, naming the architecture and the cause, not at the
-    first forward with a fix the user already followed."""
+def test_a_model_that_builds_its_own_attention_mask_is_refused_at_the_check_and_at_its_mask():
+    """Doge hands attention a 4D mask of its own (its dynamic mask), which sparse_cp cannot take: found when the model
+    is switched, and by the CP check, naming the architecture and the cause, not at the first forward with a fix the
+    user already followed. Loaded with attn_implementation='sparse_cp' (no switch to check), a padded batch failed
+    inside Doge's own mask code ('IndexError: too many indices for tensor of dimension 2', naming no fix): its mask
+    is refused, naming the fix, with padding or without."""
     hf_sparse_cp.patch()
     try:
         model = AutoModelForCausalLM.from_config(tiny_config("doge"))
-        cause = r"DogeForCausalLM \(model type 'doge'\) builds its own 4D attention mask"
+        cause = r"Model type 'doge' builds its own 4D attention mask in its attention layers"
         with pytest.raises(ValueError, match=cause + r".*--sparse_attention false"):
             hf_sparse_cp.configure(model)
         assert compat.attn_implementation(model.config) != "sparse_cp"
-        with pytest.raises(ValueError, match=cause + r".*--cp_size 1"):
+        with pytest.raises(ValueError, match=cause + r".*--sparse_attention false.*drop --cp_size"):
             check_model_supports_context_parallel(model)
+        model = AutoModelForCausalLM.from_config(tiny_config("doge"), attn_implementation="sparse_cp")
+        for mask in (None, torch.tensor([[0] + [1] * 15])):
+            with pytest.raises(ValueError, match=cause + r".*attn_implementation='sdpa' or 'eager'"):
+                model(input_ids=torch.randint(3, 200, (1, 16)), attention_mask=mask)
     finally:
         hf_sparse_cp.unpatch()
 
