@@ -66,7 +66,7 @@ from .backend import (
     masked_locality,
     probing,
 )
-from .call_tokens import NonCausalMask, RefusedAtMask, UnroutedMask
+from .call_tokens import NonCausalMask, RefusedAtMask, UnroutedMask, computes_own_attention
 from .composite import backend_selection, in_tower, switched_to, tower_names
 from .given import require_model
 from .heads import base_model
@@ -240,9 +240,26 @@ def _probe_switched(model: torch.nn.Module) -> tuple[str | None, list[tuple[str,
         return compat.attn_implementation(model.config), _probe(model, next(model.parameters()).device, False)
 
 
+def _refuse_without_attention(model: torch.nn.Module, impl: str | None, fix: str) -> None:
+    """Raise ValueError, naming the model and `fix`, where `model` switched to the backend has no attention layer
+    (`config.layer_types` of none of `ATTENTION_LAYER_TYPES`): a model of Mamba, RWKV or linear-attention layers only,
+    or a hybrid whose config places none (Bamba without attn_layer_indices), which was told it "does not route its
+    attention", or that its forward "failed outside attention" (Granite-MoE-Hybrid's cache)."""
+    name, model_type = type(model).__name__, getattr(model.config, "model_type", type(model).__name__)
+    layer_types = getattr(language_config(model.config), "layer_types", None) or ()
+    if impl == BACKEND_NAME and layer_types and not set(layer_types) & set(ATTENTION_LAYER_TYPES):
+        raise ValueError(
+            f"{name} (model type {model_type!r}) has no attention layer (its layer_types: "
+            f"{', '.join(dict.fromkeys(layer_types))}), so attn_implementation='{BACKEND_NAME}' has no attention to "
+            f"compute. {fix}" + ("." if computes_own_attention(language_config(model.config)) else
+                                 "; a model of this type whose config places attention layers among them trains with "
+                                 "it."))
+
+
 def _refuse_unrouted(model: torch.nn.Module, impl: str | None, fix: str) -> None:
     """Raise ValueError: `model`'s attention does not run through the backend (transformers kept `impl`)."""
     name, model_type = type(model).__name__, getattr(model.config, "model_type", type(model).__name__)
+    _refuse_without_attention(model, impl, fix)
     kept = f"transformers kept attn_implementation={impl!r}" if impl != BACKEND_NAME else \
         "its attention layers never call the selected implementation"
     tested = ", ".join(cp_tested_model_types()[:6])
@@ -305,6 +322,7 @@ def check_attention_routed(model: torch.nn.Module, context_parallel: bool = Fals
     switch the model; with `context_parallel` (a switch for CP training) a fix that needs dense attention drops CP
     too."""
     impl = compat.attn_implementation(model.config)
+    _refuse_without_attention(model, impl, _DENSE_NO_CP_FIX if context_parallel else _DENSE_FIX)
     # (a probe forward that fails is refused: training would fail the same way at its first forward)
     calls = _attention_calls(model, context_parallel=context_parallel) if impl == BACKEND_NAME else None
     _check_calls(model, impl, calls, _DENSE_NO_CP_FIX if context_parallel else _DENSE_FIX)

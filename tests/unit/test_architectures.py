@@ -217,7 +217,7 @@ def test_architectures_that_route_attention_through_the_interface_pass_the_check
 
 
 @pytest.mark.parametrize("model_type, refused", [("qwen2", None), ("gpt2", None), ("bloom", "does not route"),
-                                                  ("jamba", "mixes tokens outside attention")])
+                                                  ("jamba", "has no attention layer")])
 def test_a_model_is_checked_as_training_switches_it_and_left_as_it_was(model_type, refused):
     """`check_switchable` refuses, before the data are made, what the Trainer refused once it had switched the model
     (the example's --tiny_model_type mamba/bloom after its data), on the meta device too (GPT-2's forward reads a
@@ -232,6 +232,27 @@ def test_a_model_is_checked_as_training_switches_it_and_left_as_it_was(model_typ
         check_switchable(model, context_parallel=True)
     assert compat.attn_implementation(model.config) == before and not hf_sparse_cp.is_patched()
     assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("model_type, overrides, hybrid", [
+    ("mamba", {}, False), ("bamba", {"mamba_n_heads": 4, "mamba_d_head": 64}, True),
+    ("granitemoehybrid", {"mamba_n_heads": 4, "mamba_d_head": 64}, True)])
+def test_a_model_without_an_attention_layer_is_refused_as_such(model_type, overrides, hybrid):
+    """A model of Mamba layers only, or a hybrid whose config places no attention layer (Bamba without
+    attn_layer_indices, as the tiny model is), was refused as an architecture that 'does not route its attention
+    through transformers' AttentionInterface' (Bamba's attention layers do), or whose forward 'failed outside
+    attention' (Granite-MoE-Hybrid's cache); it is refused as having no attention layer, naming the fix."""
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+        cause = rf"\(model type '{model_type}'\) has no attention layer \(its layer_types: linear_attention\)"
+        with pytest.raises(ValueError, match=cause + r".*--sparse_attention false") as refused:
+            hf_sparse_cp.configure(model)
+        assert ("places attention layers among them trains with it" in str(refused.value)) == hybrid
+        assert "does not route" not in str(refused.value)
+        assert compat.attn_implementation(model.config) != "sparse_cp"
+    finally:
+        hf_sparse_cp.unpatch()
 
 
 def test_a_model_that_builds_its_own_attention_mask_is_refused_at_the_check_and_at_its_mask():
