@@ -164,6 +164,10 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
 # Values of `config.layer_types` whose layers treat every token on its own (Nemotron-H's MLP and mixture-of-experts
 # layers, between its Mamba and attention ones): no token mixer.
 PER_TOKEN_LAYER_TYPES = ("mlp", "moe")
+# Values of `config.layer_types` whose layers mix tokens without attention (Mamba, linear attention, short
+# convolutions, RecurrentGemma's and RWKV's recurrences): a model of these (and per-token ones) alone has no attention
+# layer. Another value ('hybrid', 'hybrid_sliding', ...) may attend.
+RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "conv", "recurrent", "rwkv")
 
 # Config fields that set attention dropout (the Llama family's, GPT-2's and GPT-BigCode's, BERT-style), which the
 # backend refuses (it computes attention without dropout) and the tiny models set to 0.

@@ -48,6 +48,7 @@ from .architectures import (
     ATTENTION_LAYER_TYPES,
     CP_TESTED_VISION_LANGUAGE_TYPES,
     PER_TOKEN_LAYER_TYPES,
+    RECURRENT_LAYER_TYPES,
     cp_tested_model_types,
     later_routing_release,
     transformers_release,
@@ -242,12 +243,13 @@ def _probe_switched(model: torch.nn.Module) -> tuple[str | None, list[tuple[str,
 
 def _refuse_without_attention(model: torch.nn.Module, impl: str | None, fix: str) -> None:
     """Raise ValueError, naming the model and `fix`, where `model` switched to the backend has no attention layer
-    (`config.layer_types` of none of `ATTENTION_LAYER_TYPES`): a model of Mamba, RWKV or linear-attention layers only,
-    or a hybrid whose config places none (Bamba without attn_layer_indices), which was told it "does not route its
-    attention", or that its forward "failed outside attention" (Granite-MoE-Hybrid's cache)."""
+    (`config.layer_types` of `RECURRENT_LAYER_TYPES` and `PER_TOKEN_LAYER_TYPES` only): a model of Mamba, RWKV or
+    linear-attention layers only, or a hybrid whose config places none (Bamba without attn_layer_indices), which was
+    told it "does not route its attention", or that its forward "failed outside attention" (Granite-MoE-Hybrid's
+    cache)."""
     name, model_type = type(model).__name__, getattr(model.config, "model_type", type(model).__name__)
     layer_types = getattr(language_config(model.config), "layer_types", None) or ()
-    if impl == BACKEND_NAME and layer_types and not set(layer_types) & set(ATTENTION_LAYER_TYPES):
+    if impl == BACKEND_NAME and layer_types and set(layer_types) <= {*RECURRENT_LAYER_TYPES, *PER_TOKEN_LAYER_TYPES}:
         raise ValueError(
             f"{name} (model type {model_type!r}) has no attention layer (its layer_types: "
             f"{', '.join(dict.fromkeys(layer_types))}), so attn_implementation='{BACKEND_NAME}' has no attention to "

@@ -255,6 +255,19 @@ def test_a_model_without_an_attention_layer_is_refused_as_such(model_type, overr
         hf_sparse_cp.unpatch()
 
 
+def test_a_layer_type_outside_the_known_attention_kinds_is_probed_not_taken_for_no_attention():
+    """Inkling's layers are of type 'hybrid_sliding' (attention with a relative position bias): no attention kind the
+    table names, yet attention; it is refused for what its layers pass to attention, not as having none."""
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config("inkling_text", sliding_window=24))
+        with pytest.raises(ValueError, match=r"does not implement an additive bias on the attention logits "
+                                             r"\(position_bias, model type 'inkling_text'\)"):
+            hf_sparse_cp.configure(model)
+    finally:
+        hf_sparse_cp.unpatch()
+
+
 def test_a_model_that_builds_its_own_attention_mask_is_refused_at_the_check_and_at_its_mask():
     """Doge hands attention a 4D mask of its own (its dynamic mask), which sparse_cp cannot take: found when the model
     is switched, and by the CP check, naming the architecture and the cause, not at the first forward with a fix the
