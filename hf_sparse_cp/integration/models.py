@@ -174,6 +174,13 @@ def _attention_calls(model: torch.nn.Module, with_shard: bool = False, context_p
         raise _mask_refusal(model, e, context_parallel) from None
     except Exception as e:
         model_type = getattr(model.config, "model_type", type(model).__name__)
+        if _fails_without_backend(model):
+            raise ProbeFailed(
+                f"{type(model).__name__} (model type {model_type!r}) fails its forward with eager attention too "
+                f"({type(e).__name__}: {e}): the failure is the model's own, not one attn_implementation="
+                f"'{BACKEND_NAME}' causes (e.g. a dtype its layers do not take: torch's grouped matmul of experts "
+                "takes no float64, experts_implementation='eager' does); fix it as without the plugin."
+            ) from e
         raise ProbeFailed(
             f"{type(model).__name__} (model type {model_type!r}) does not run with attn_implementation="
             f"'{BACKEND_NAME}': a forward of it with the backend failed outside attention ({type(e).__name__}: {e}), "
@@ -181,6 +188,23 @@ def _attention_calls(model: torch.nn.Module, with_shard: bool = False, context_p
             "the 2D padding mask. Train it with dense attention (--sparse_attention false; context parallelism needs "
             "sparse_cp)."
         ) from e
+
+
+def _fails_without_backend(model: torch.nn.Module) -> bool:
+    """Whether the probe's forward of `model` (on its device) fails with eager attention too, its implementations
+    restored after: its failure with the backend is then the model's own."""
+    kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    try:
+        ids = torch.zeros(1, 8, dtype=torch.long, device=next(model.parameters()).device)
+        with switched_to(model, "eager"):
+            try:
+                with torch.no_grad():
+                    model(input_ids=ids, **kwargs)
+            except Exception:
+                return True
+    except Exception:  # (no parameters, or a model that cannot switch: nothing learned)
+        return False
+    return False
 
 
 def _mask_refusal(model: torch.nn.Module, refused: NonCausalMask | RefusedAtMask, context_parallel: bool

@@ -268,6 +268,25 @@ def test_a_layer_type_outside_the_known_attention_kinds_is_probed_not_taken_for_
         hf_sparse_cp.unpatch()
 
 
+def test_a_forward_that_fails_without_sparse_cp_too_is_not_blamed_on_it():
+    """A float64 mixture of experts whose experts run torch's grouped matmul (float32/bf16/fp16 only) fails its
+    forward under any attention: configure refused it as a model that 'does not run with sparse_cp ... e.g. a layer
+    that reads the attention mask as the 4D mask', advising dense attention, which fails the same. The refusal says
+    the failure is the model's own; with eager experts it is configured."""
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config("mixtral")).double()
+        cause = r"MixtralForCausalLM \(model type 'mixtral'\) fails its forward with eager attention too \("
+        with pytest.raises(ValueError, match=cause + r".*the failure is the model's own") as refused:
+            hf_sparse_cp.configure(model)
+        assert "--sparse_attention false" not in str(refused.value)
+        assert compat.attn_implementation(model.config) != "sparse_cp"
+        model = AutoModelForCausalLM.from_config(tiny_config("mixtral"), experts_implementation="eager").double()
+        hf_sparse_cp.configure(model)
+    finally:
+        hf_sparse_cp.unpatch()
+
+
 def test_a_model_that_builds_its_own_attention_mask_is_refused_at_the_check_and_at_its_mask():
     """Doge hands attention a 4D mask of its own (its dynamic mask), which sparse_cp cannot take: found when the model
     is switched, and by the CP check, naming the architecture and the cause, not at the first forward with a fix the
