@@ -56,7 +56,8 @@ ARCHITECTURES: dict[str, Support] = {
         "phi3", "olmo2", "granite", "gemma3_text", "glm4", "helium", "smollm3", "cohere2", "gemma", "cohere",
         "gpt_neox", "starcoder2", "phi", "gpt2", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
         "deepseek_v3", "gpt_oss", "llama4_text", "gpt_bigcode", "persimmon", "diffllama", "gemma3n_text",
-        "jetmoe", "ctrl", "biogpt", "deepseek_v2", "glm4_moe", "afmoe", "apertus", "gemma4_text")},
+        "jetmoe", "ctrl", "biogpt", "deepseek_v2", "glm4_moe", "afmoe", "apertus", "gemma4_text", "granite_swa",
+        "modernbert-decoder")},
     "codegen": Support(cp_tested=True, routed_since=(5, 24)),  # (5.15-5.23's CodeGen computes attention itself)
     # The decoders of encoder-decoder families, trained decoder-only (`*ForCausalLM` without encoder_hidden_states:
     # their cross-attention is never called, and refused at a call that gets them). The BART family's decoders count
