@@ -56,7 +56,8 @@ ARCHITECTURES: dict[str, Support] = {
         "phi3", "olmo2", "granite", "gemma3_text", "glm4", "helium", "smollm3", "cohere2", "gemma", "cohere",
         "gpt_neox", "starcoder2", "phi", "gpt2", "opt", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
         "deepseek_v3", "gpt_oss", "llama4_text", "gpt_bigcode", "persimmon", "diffllama", "gemma3n_text",
-        "jetmoe", "ctrl", "biogpt", "deepseek_v2", "glm4_moe", "afmoe", "apertus", "gemma4_text")},
+        "jetmoe", "ctrl", "biogpt", "deepseek_v2", "glm4_moe", "afmoe", "apertus", "gemma4_text", "granite_swa",
+        "modernbert-decoder")},
     "codegen": Support(cp_tested=True, routed_since=(5, 24)),  # (5.15-5.23's CodeGen computes attention itself)
     # The decoders of encoder-decoder families, trained decoder-only (`*ForCausalLM` without encoder_hidden_states:
     # their cross-attention is never called, and refused at a call that gets them). The BART family's decoders count
@@ -164,6 +165,10 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
 # Values of `config.layer_types` whose layers treat every token on its own (Nemotron-H's MLP and mixture-of-experts
 # layers, between its Mamba and attention ones): no token mixer.
 PER_TOKEN_LAYER_TYPES = ("mlp", "moe")
+# Values of `config.layer_types` whose layers mix tokens without attention (Mamba, linear attention, short
+# convolutions, RecurrentGemma's and RWKV's recurrences): a model of these (and per-token ones) alone has no attention
+# layer. Another value ('hybrid', 'hybrid_sliding', ...) may attend.
+RECURRENT_LAYER_TYPES = ("linear_attention", "mamba", "conv", "recurrent", "rwkv")
 
 # Config fields that set attention dropout (the Llama family's, GPT-2's and GPT-BigCode's, BERT-style), which the
 # backend refuses (it computes attention without dropout) and the tiny models set to 0.

@@ -5,6 +5,7 @@ forward (`PerForward`)."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections.abc import Callable
@@ -94,11 +95,53 @@ class IndexedMask(RefusedAtMask):
             "--sparse_attention false).")
 
 
+class OwnMask(RefusedAtMask):
+    """The refusal of a mask built for a model whose attention layers make a mask of their own from the one they get
+    (`builds_own_mask`): they read it as the 4D mask eager and sdpa get."""
+
+    def __init__(self, config):
+        super().__init__(
+            f"Model type '{getattr(config, 'model_type', 'unknown')}' builds its own 4D attention mask in its "
+            "attention layers (a dynamic mask of the keys each head keeps) from the 4D mask eager and sdpa get, while "
+            "sparse_cp hands over the 2D padding mask and computes its own pattern, not the model's: load it with "
+            "attn_implementation='sdpa' or 'eager' (--sparse_attention false).")
+
+
 def selects_keys_by_index(config) -> bool:
     """Whether `config` has layers of transformers' type 'indexed_attention' (DeepSeek-V3.2, GLM-5 DSA, Hunyuan-V4,
     AXK2, ...), whose indexer selects the keys each query reads from the mask the model builds for them (DeepSeek-V4's
     compressed layers, whose indexer reads no mask, are of other types)."""
     return "indexed_attention" in (getattr(config, "layer_types", None) or ())
+
+
+# A method of an attention class that makes the layer's own mask from the one the model hands it (Doge's dynamic mask
+# attention, which indexes it as [batch, 1, query, key]).
+_OWN_MASK_METHODS = ("prepare_dynamic_mask",)
+
+
+def builds_own_mask(config) -> bool:
+    """Whether `config` is that of a transformers model family whose attention layers build a mask of their own from
+    the 4D one they get (`_OWN_MASK_METHODS`: Doge's), which the 2D padding mask sparse_cp hands over fails in
+    (an IndexError inside the model with a padded batch). Judged as `computes_own_attention` judges."""
+    module = _modeling_module(config)
+    return module is not None and _defines_own_mask(module.__name__)
+
+
+@functools.cache
+def _defines_own_mask(module_name: str) -> bool:
+    """Whether a class of the imported module `module_name` has a method of `_OWN_MASK_METHODS`."""
+    return any(isinstance(value, type) and any(hasattr(value, m) for m in _OWN_MASK_METHODS)
+               for value in vars(sys.modules[module_name]).values())
+
+
+def _modeling_module(config):
+    """The imported transformers modeling module of `config`'s family, or None (a composite config, one holding its
+    language model's, `language_config`: that model's module computes attention; a module not imported, or outside
+    transformers: remote code)."""
+    prefix, _, family = type(config).__module__.rpartition(".configuration_")
+    if not prefix.startswith("transformers.models.") or language_config(config) is not config:
+        return None
+    return sys.modules.get(f"{prefix}.modeling_{family}")
 
 
 def computes_own_attention(config) -> bool:
@@ -107,10 +150,7 @@ def computes_own_attention(config) -> bool:
     masks through the mask interface, which transformers (5.25) lets it select sparse_cp for. A composite config
     (one holding its language model's, `language_config`: that model's module computes attention) and a module not
     imported or outside transformers (remote code) are not judged."""
-    prefix, _, family = type(config).__module__.rpartition(".configuration_")
-    if not prefix.startswith("transformers.models.") or language_config(config) is not config:
-        return False
-    module = sys.modules.get(f"{prefix}.modeling_{family}")
+    module = _modeling_module(config)
     return module is not None and not hasattr(module, "ALL_ATTENTION_FUNCTIONS")
 
 
@@ -134,8 +174,9 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     returned marked (`is_bidirectional_mask`), for the attention call handed it to refuse. The mask of a model whose
     attention never reaches the backend raises `UnroutedMask` (its own attention would take it for a causal mask;
     under torch.compile, not checked: the check reads module state a trace would break on), and one a model adds its
-    ALiBi bias to raises `BiasedMask`, and one whose layers select keys by an indexer of their own `IndexedMask` (the
-    indexer would fail on the 2D mask, naming no fix)."""
+    ALiBi bias to raises `BiasedMask`, one whose layers select keys by an indexer of their own `IndexedMask` (the
+    indexer would fail on the 2D mask, naming no fix), and one whose layers build a mask of their own from it
+    `OwnMask` (likewise)."""
     config = kwargs.get("config")
     if getattr(config, "alibi", False) is True:
         raise BiasedMask(config)
@@ -143,6 +184,8 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         raise IndexedMask(config)
     if not torch.compiler.is_compiling() and computes_own_attention(config):
         raise UnroutedMask(config)
+    if not torch.compiler.is_compiling() and builds_own_mask(config):
+        raise OwnMask(config)
     function = kwargs.get("mask_function")
     if kwargs.get("use_vmap") or getattr(function, "__name__", None) == "or_mask":
         raise NonCausalMask(kwargs.get("config"), "overlay")

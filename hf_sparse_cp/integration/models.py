@@ -48,6 +48,7 @@ from .architectures import (
     ATTENTION_LAYER_TYPES,
     CP_TESTED_VISION_LANGUAGE_TYPES,
     PER_TOKEN_LAYER_TYPES,
+    RECURRENT_LAYER_TYPES,
     cp_tested_model_types,
     later_routing_release,
     transformers_release,
@@ -66,7 +67,7 @@ from .backend import (
     masked_locality,
     probing,
 )
-from .call_tokens import NonCausalMask, RefusedAtMask, UnroutedMask
+from .call_tokens import NonCausalMask, RefusedAtMask, UnroutedMask, computes_own_attention
 from .composite import backend_selection, in_tower, switched_to, tower_names
 from .given import require_model
 from .heads import base_model
@@ -173,6 +174,13 @@ def _attention_calls(model: torch.nn.Module, with_shard: bool = False, context_p
         raise _mask_refusal(model, e, context_parallel) from None
     except Exception as e:
         model_type = getattr(model.config, "model_type", type(model).__name__)
+        if _fails_without_backend(model):
+            raise ProbeFailed(
+                f"{type(model).__name__} (model type {model_type!r}) fails its forward with eager attention too "
+                f"({type(e).__name__}: {e}): the failure is the model's own, not one attn_implementation="
+                f"'{BACKEND_NAME}' causes (e.g. a dtype its layers do not take: torch's grouped matmul of experts "
+                "takes no float64, experts_implementation='eager' does); fix it as without the plugin."
+            ) from e
         raise ProbeFailed(
             f"{type(model).__name__} (model type {model_type!r}) does not run with attn_implementation="
             f"'{BACKEND_NAME}': a forward of it with the backend failed outside attention ({type(e).__name__}: {e}), "
@@ -180,6 +188,23 @@ def _attention_calls(model: torch.nn.Module, with_shard: bool = False, context_p
             "the 2D padding mask. Train it with dense attention (--sparse_attention false; context parallelism needs "
             "sparse_cp)."
         ) from e
+
+
+def _fails_without_backend(model: torch.nn.Module) -> bool:
+    """Whether the probe's forward of `model` (on its device) fails with eager attention too, its implementations
+    restored after: its failure with the backend is then the model's own."""
+    kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    try:
+        ids = torch.zeros(1, 8, dtype=torch.long, device=next(model.parameters()).device)
+        with switched_to(model, "eager"):
+            try:
+                with torch.no_grad():
+                    model(input_ids=ids, **kwargs)
+            except Exception:
+                return True
+    except Exception:  # (no parameters, or a model that cannot switch: nothing learned)
+        return False
+    return False
 
 
 def _mask_refusal(model: torch.nn.Module, refused: NonCausalMask | RefusedAtMask, context_parallel: bool
@@ -221,12 +246,13 @@ def _check_architecture(model: torch.nn.Module, fix: str) -> None:
             try:
                 shadow = _architecture(model)
                 impl, calls = compat.attn_implementation(shadow.config), _probe(shadow, "meta", with_shard=False)
-            except NonCausalMask:
+            except (NonCausalMask, RefusedAtMask):
                 raise
             except Exception:
                 impl, calls = _probe_switched(model)
-        except NonCausalMask as e:
-            raise non_causal_refusal(model, e, context_parallel=fix is _NO_CP_FIX) from None
+        except (NonCausalMask, RefusedAtMask) as e:  # (a mask refused: the refusal names the fix, which the switch
+            # the caller would otherwise advise cannot be)
+            raise _mask_refusal(model, e, context_parallel=fix is _NO_CP_FIX) from None
         except Exception:
             return
     _check_calls(model, impl, calls, fix)
@@ -239,9 +265,27 @@ def _probe_switched(model: torch.nn.Module) -> tuple[str | None, list[tuple[str,
         return compat.attn_implementation(model.config), _probe(model, next(model.parameters()).device, False)
 
 
+def _refuse_without_attention(model: torch.nn.Module, impl: str | None, fix: str) -> None:
+    """Raise ValueError, naming the model and `fix`, where `model` switched to the backend has no attention layer
+    (`config.layer_types` of `RECURRENT_LAYER_TYPES` and `PER_TOKEN_LAYER_TYPES` only): a model of Mamba, RWKV or
+    linear-attention layers only, or a hybrid whose config places none (Bamba without attn_layer_indices), which was
+    told it "does not route its attention", or that its forward "failed outside attention" (Granite-MoE-Hybrid's
+    cache)."""
+    name, model_type = type(model).__name__, getattr(model.config, "model_type", type(model).__name__)
+    layer_types = getattr(language_config(model.config), "layer_types", None) or ()
+    if impl == BACKEND_NAME and layer_types and set(layer_types) <= {*RECURRENT_LAYER_TYPES, *PER_TOKEN_LAYER_TYPES}:
+        raise ValueError(
+            f"{name} (model type {model_type!r}) has no attention layer (its layer_types: "
+            f"{', '.join(dict.fromkeys(layer_types))}), so attn_implementation='{BACKEND_NAME}' has no attention to "
+            f"compute. {fix}" + ("." if computes_own_attention(language_config(model.config)) else
+                                 "; a model of this type whose config places attention layers among them trains with "
+                                 "it."))
+
+
 def _refuse_unrouted(model: torch.nn.Module, impl: str | None, fix: str) -> None:
     """Raise ValueError: `model`'s attention does not run through the backend (transformers kept `impl`)."""
     name, model_type = type(model).__name__, getattr(model.config, "model_type", type(model).__name__)
+    _refuse_without_attention(model, impl, fix)
     kept = f"transformers kept attn_implementation={impl!r}" if impl != BACKEND_NAME else \
         "its attention layers never call the selected implementation"
     tested = ", ".join(cp_tested_model_types()[:6])
@@ -304,6 +348,7 @@ def check_attention_routed(model: torch.nn.Module, context_parallel: bool = Fals
     switch the model; with `context_parallel` (a switch for CP training) a fix that needs dense attention drops CP
     too."""
     impl = compat.attn_implementation(model.config)
+    _refuse_without_attention(model, impl, _DENSE_NO_CP_FIX if context_parallel else _DENSE_FIX)
     # (a probe forward that fails is refused: training would fail the same way at its first forward)
     calls = _attention_calls(model, context_parallel=context_parallel) if impl == BACKEND_NAME else None
     _check_calls(model, impl, calls, _DENSE_NO_CP_FIX if context_parallel else _DENSE_FIX)

@@ -28,7 +28,10 @@ PATTERN = SparseAttentionConfig(block_size=BLOCK, min_seq_len=64, vertical_topk=
 # learned table of positions one long enough for the test (the tiny models' 2**20 rows: 1 GiB in float64, twice
 # with its gradient, per process).
 OVERRIDES = {**{t: {"sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"]}
-                for t in ("gemma3_text", "cohere2", "gpt_oss")},
+                for t in ("gemma3_text", "cohere2", "gpt_oss", "granite_swa")},
+             # (its sliding layers' window is config.sliding_window, which ModernBERT derives from local_attention)
+             "modernbert-decoder": {"max_position_embeddings": 4 * SEQ, "local_attention": 24, "sliding_window": 12,
+                                    "layer_types": ["sliding_attention", "full_attention"]},
              **{t: {"max_position_embeddings": 4 * SEQ} for t in (
                  "opt", "gpt2", "gpt_bigcode", "biogpt", "bart", "mbart", "plbart", "blenderbot", "blenderbot-small",
                  "marian", "pegasus")},
@@ -51,7 +54,8 @@ def _model(model_type: str, **overrides) -> torch.nn.Module:
     config = tiny_config(model_type, vocab_size=97, **{**OVERRIDES.get(model_type, {}), **overrides})
     # The experts of MoE models loop in eager code: torch's grouped matmul takes no float64.
     model = AutoModelForCausalLM.from_config(config, experts_implementation="eager").double().eval()
-    for module in model.modules():  # learned sinks (GPT-OSS) that change the output visibly (their init is ~0.02)
+    for module in model.modules():  # learned sinks (GPT-OSS; Granite-SWA's scale each output by sigmoid(lse - sink))
+        # that change the output visibly (their init is ~0.02)
         if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
             torch.nn.init.normal_(module.sinks, 0.0, 2.0)
     hf_sparse_cp.configure(model, PATTERN)

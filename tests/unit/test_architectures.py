@@ -154,6 +154,25 @@ def test_falcon_with_alibi_loaded_on_the_backend_is_refused_at_its_mask_naming_t
     finally:
         hf_sparse_cp.unpatch()
 
+@pytest.mark.parametrize("model_type, overrides, cause", [
+    ("falcon", {"alibi": True}, r"Model type 'falcon' with alibi=True adds its ALiBi position bias"),
+    ("deepseek_v32", {}, r"Model type 'deepseek_v32' selects the keys each query attends to"),
+    ("doge", {}, r"Model type 'doge' builds its own 4D attention mask"),
+], ids=["falcon-alibi", "deepseek_v32", "doge"])
+def test_the_cp_check_of_a_model_not_switched_names_what_its_mask_refuses_not_the_switch(model_type, overrides, cause):
+    """The CP check of a model still on sdpa whose mask sparse_cp refuses (ALiBi added to it, a DSA indexer reading
+    it, a dynamic mask built from it) told the user to switch it ('train with --sparse_attention true ... or call
+    hf_sparse_cp.configure(model)'), which configure then refused: it names the cause, dense attention and no CP."""
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+        with pytest.raises(ValueError, match=cause + r".*--sparse_attention false.*drop --cp_size") as refused:
+            check_model_supports_context_parallel(model)
+        assert "configure(model)" not in str(refused.value)
+    finally:
+        hf_sparse_cp.unpatch()
+
+
 def test_an_architecture_routed_from_a_later_transformers_is_refused_before_it_naming_the_upgrade(monkeypatch):
     """CodeGen routes its attention through AttentionInterface from transformers 5.24; 5.17's (the GPU image's) kept
     eager, and test_cp_models' group holding it failed at configure. Before 5.24 it is refused naming the upgrade (the
@@ -198,7 +217,7 @@ def test_architectures_that_route_attention_through_the_interface_pass_the_check
 
 
 @pytest.mark.parametrize("model_type, refused", [("qwen2", None), ("gpt2", None), ("bloom", "does not route"),
-                                                  ("jamba", "mixes tokens outside attention")])
+                                                  ("jamba", "has no attention layer")])
 def test_a_model_is_checked_as_training_switches_it_and_left_as_it_was(model_type, refused):
     """`check_switchable` refuses, before the data are made, what the Trainer refused once it had switched the model
     (the example's --tiny_model_type mamba/bloom after its data), on the meta device too (GPT-2's forward reads a
@@ -215,19 +234,78 @@ def test_a_model_is_checked_as_training_switches_it_and_left_as_it_was(model_typ
     assert not any(m._forward_pre_hooks for m in model.modules())
 
 
-def test_a_model_that_builds_its_own_attention_mask_is_refused_at_the_check():
-    """Doge hands attention a 4D mask of its own (its dynamic mask), which sparse_cp cannot take: found by the probe
-    forward when the model is switched, and by the CP check, naming the architecture and the cause, not at the
-    first forward with a fix the user already followed."""
+@pytest.mark.parametrize("model_type, overrides, hybrid", [
+    ("mamba", {}, False), ("bamba", {"mamba_n_heads": 4, "mamba_d_head": 64}, True),
+    ("granitemoehybrid", {"mamba_n_heads": 4, "mamba_d_head": 64}, True)])
+def test_a_model_without_an_attention_layer_is_refused_as_such(model_type, overrides, hybrid):
+    """A model of Mamba layers only, or a hybrid whose config places no attention layer (Bamba without
+    attn_layer_indices, as the tiny model is), was refused as an architecture that 'does not route its attention
+    through transformers' AttentionInterface' (Bamba's attention layers do), or whose forward 'failed outside
+    attention' (Granite-MoE-Hybrid's cache); it is refused as having no attention layer, naming the fix."""
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+        cause = rf"\(model type '{model_type}'\) has no attention layer \(its layer_types: linear_attention\)"
+        with pytest.raises(ValueError, match=cause + r".*--sparse_attention false") as refused:
+            hf_sparse_cp.configure(model)
+        assert ("places attention layers among them trains with it" in str(refused.value)) == hybrid
+        assert "does not route" not in str(refused.value)
+        assert compat.attn_implementation(model.config) != "sparse_cp"
+    finally:
+        hf_sparse_cp.unpatch()
+
+
+def test_a_layer_type_outside_the_known_attention_kinds_is_probed_not_taken_for_no_attention():
+    """Inkling's layers are of type 'hybrid_sliding' (attention with a relative position bias): no attention kind the
+    table names, yet attention; it is refused for what its layers pass to attention, not as having none."""
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config("inkling_text", sliding_window=24))
+        with pytest.raises(ValueError, match=r"does not implement an additive bias on the attention logits "
+                                             r"\(position_bias, model type 'inkling_text'\)"):
+            hf_sparse_cp.configure(model)
+    finally:
+        hf_sparse_cp.unpatch()
+
+
+def test_a_forward_that_fails_without_sparse_cp_too_is_not_blamed_on_it():
+    """A float64 mixture of experts whose experts run torch's grouped matmul (float32/bf16/fp16 only) fails its
+    forward under any attention: configure refused it as a model that 'does not run with sparse_cp ... e.g. a layer
+    that reads the attention mask as the 4D mask', advising dense attention, which fails the same. The refusal says
+    the failure is the model's own; with eager experts it is configured."""
+    hf_sparse_cp.patch()
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_config("mixtral")).double()
+        cause = r"MixtralForCausalLM \(model type 'mixtral'\) fails its forward with eager attention too \("
+        with pytest.raises(ValueError, match=cause + r".*the failure is the model's own") as refused:
+            hf_sparse_cp.configure(model)
+        assert "--sparse_attention false" not in str(refused.value)
+        assert compat.attn_implementation(model.config) != "sparse_cp"
+        model = AutoModelForCausalLM.from_config(tiny_config("mixtral"), experts_implementation="eager").double()
+        hf_sparse_cp.configure(model)
+    finally:
+        hf_sparse_cp.unpatch()
+
+
+def test_a_model_that_builds_its_own_attention_mask_is_refused_at_the_check_and_at_its_mask():
+    """Doge hands attention a 4D mask of its own (its dynamic mask), which sparse_cp cannot take: found when the model
+    is switched, and by the CP check, naming the architecture and the cause, not at the first forward with a fix the
+    user already followed. Loaded with attn_implementation='sparse_cp' (no switch to check), a padded batch failed
+    inside Doge's own mask code ('IndexError: too many indices for tensor of dimension 2', naming no fix): its mask
+    is refused, naming the fix, with padding or without."""
     hf_sparse_cp.patch()
     try:
         model = AutoModelForCausalLM.from_config(tiny_config("doge"))
-        cause = r"DogeForCausalLM \(model type 'doge'\) builds its own 4D attention mask"
+        cause = r"Model type 'doge' builds its own 4D attention mask in its attention layers"
         with pytest.raises(ValueError, match=cause + r".*--sparse_attention false"):
             hf_sparse_cp.configure(model)
         assert compat.attn_implementation(model.config) != "sparse_cp"
-        with pytest.raises(ValueError, match=cause + r".*--cp_size 1"):
+        with pytest.raises(ValueError, match=cause + r".*--sparse_attention false.*drop --cp_size"):
             check_model_supports_context_parallel(model)
+        model = AutoModelForCausalLM.from_config(tiny_config("doge"), attn_implementation="sparse_cp")
+        for mask in (None, torch.tensor([[0] + [1] * 15])):
+            with pytest.raises(ValueError, match=cause + r".*attn_implementation='sdpa' or 'eager'"):
+                model(input_ids=torch.randint(3, 200, (1, 16)), attention_mask=mask)
     finally:
         hf_sparse_cp.unpatch()
 

@@ -51,8 +51,9 @@ from hf_sparse_cp.examples.train_long_context import parse_args
          "(--sparse_max_length), or a type with rotary positions (e.g. qwen2, llama)."),
         # an architecture whose attention does not run through the backend, or under CP mixes tokens outside it:
         # refused by each process only as it built the Trainer, after the data
-        (["--tiny_model_type", "mamba"], "--tiny_model_type mamba: MambaForCausalLM (model type 'mamba') does not "
-         "route its attention through transformers' AttentionInterface"),
+        (["--tiny_model_type", "mamba"], "--tiny_model_type mamba: MambaForCausalLM (model type 'mamba') has no "
+         "attention layer (its layer_types: linear_attention), so attn_implementation='sparse_cp' has no attention to "
+         "compute. Train it with dense attention (--sparse_attention false;"),
         (["--tiny_model_type", "bloom"], "--tiny_model_type bloom: BloomForCausalLM (model type 'bloom') does not "
          "route its attention through transformers' AttentionInterface, so attn_implementation='sparse_cp' cannot take "
          "effect (transformers kept attn_implementation='eager'). Train it with dense attention (--sparse_attention "
@@ -62,8 +63,9 @@ from hf_sparse_cp.examples.train_long_context import parse_args
          "'sparse_cp' cannot take effect (transformers kept attn_implementation='eager'). Train it without context "
          "parallelism (drop --cp_size: its ring needs the sparse_cp backend) and with dense attention "
          "(--sparse_attention false;"),
-        (["--tiny_model_type", "jamba", "--cp_size", "2"], "--tiny_model_type jamba: JambaForCausalLM mixes tokens "
-         "outside attention (layer type 'linear_attention', Conv1d of kernel (4,)"),
+        (["--tiny_model_type", "jamba", "--cp_size", "2"], "--tiny_model_type jamba: JambaForCausalLM (model type "
+         "'jamba') has no attention layer (its layer_types: linear_attention), so attn_implementation='sparse_cp' has "
+         "no attention to compute. Train it without context parallelism (drop --cp_size"),
         # CP with the backend that runs its ring off: refused by the Trainer after the data
         (["--sparse_attention", "false", "--cp_size", "2"], "--cp_size 2: context parallelism runs its ring in the "
          "sparse_cp backend, which --sparse_attention false turns off: drop --sparse_attention false (add "
