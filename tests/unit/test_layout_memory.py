@@ -274,3 +274,20 @@ def test_the_memory_model_counts_every_causal_chunks_score_set(chunk):
     predicted = max(per_token * step.t + constant for per_token, constant in (step.geometry.estimation,
                                                                               step.geometry.construction))
     assert 0.9 <= predicted / rec.peak_bytes <= 1.1
+
+
+def test_the_key_block_csr_holds_about_five_int32_per_layout_slot():
+    """Issue #50: the transposed layout that the dK/dV kernel walks (`kernels.indexing.key_block_csr`) is built at
+    every backward call over the whole layout: int64 sort keys, their sorted copy, the block ids and the validity
+    held beside the sort made 42 bytes per layout slot, ten times block_idx (0.5B's 14 heads at 1M tokens with a 5%
+    budget in blocks of 64: 188M slots, 7.9 GB); int32 keys where they fit and nothing held across the sort: 20."""
+    from hf_sparse_cp.kernels.indexing import key_block_csr
+    from hf_sparse_cp.testing.layouts import random_layout
+
+    s = 16384
+    layout = random_layout(1, 14, s, s, 64, 0.1, 0.01, generator=torch.Generator().manual_seed(0))
+    partial = torch.rand(layout.block_idx.shape, generator=torch.Generator().manual_seed(1)) < 0.2
+    with AllocationRecorder(with_sites=False) as rec:
+        row_ptr, entries = key_block_csr(layout.block_idx, layout.block_cnt, partial, 14, 2, s // 64)
+    assert row_ptr.dtype == torch.int64 and int(row_ptr[-1]) == int(layout.block_cnt.sum())
+    assert rec.peak_bytes <= 24 * layout.block_idx.numel()  # (42 before)
