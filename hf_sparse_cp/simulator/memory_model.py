@@ -433,11 +433,16 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
         group = sh.heads // sh.kv_heads
         tile = min(scoring.SCORE_ELEMENTS, group * cfg.scoring.last_q * tokens)
         tile_keys = min(tokens, scoring.SCORE_ELEMENTS // max(1, group * cfg.scoring.last_q, sh.head_dim))
-        per_token = heads * (8 * 2 + 2) * sets + cfg.scoring.last_q
-        # distributed/ring/estimation.py: every rank holds the slash sums over every set's offsets, and reduces
-        # them, and the kept flags of every set over the whole sequence
         if ring:
-            per_token += (offsets * heads * 4 * 2 + 2 * heads * sets * seq_len) / tokens
+            # distributed/ring/estimation.py: the verticals of this rank's keys of every set (int64), the slash sums
+            # over every set's offsets (int64), which every rank holds four times at the reduce-scatter (the sums,
+            # their diagonals' concatenation, its padded copy and the rank-major send buffer), and the kept flags
+            # of every set over the whole sequence
+            cp = seq_len / tokens
+            per_token = (heads * (8 * offsets / cp + 4 * 8 * offsets + 2 * sets * seq_len)) / tokens
+        else:
+            per_token = heads * (8 * 2 + 2) * sets
+        per_token += cfg.scoring.last_q
         estimation = (per_token, 7 * 4 * tile + 8 * sh.head_dim * tile_keys if s.device == "cpu" else 0.0)
     forward = backward = 0.0
     if s.device == "cpu":
