@@ -204,17 +204,24 @@ def key_block_csr(
     group = num_q_heads // num_kv_heads
     seg_heads = num_kv_heads if hl > 1 else 1
     n_seg = b * seg_heads * num_k_blocks
+    # The sort keys, their sorted copy and the sort's order are a transient of every backward call over the whole
+    # layout: int32 keys wherever they fit (2 * n_seg < 2**31: 1M tokens in blocks of 64 with a batch of 32 and
+    # 32 key heads), and nothing else held across the sort (int64 keys held 42 bytes per layout slot, 20 now).
+    key_dtype = torch.int32 if 2 * n_seg < INT32_MAX else torch.int64
     lh = torch.arange(hl, device=dev).view(1, hl, 1, 1)
-    bb = torch.arange(b, device=dev).view(b, 1, 1, 1)
+    bb = torch.arange(b, device=dev, dtype=key_dtype).view(b, 1, 1, 1)
     qb = torch.arange(nqb, device=dev).view(1, 1, nqb, 1)
     valid = (torch.arange(mb, device=dev) < block_cnt.unsqueeze(-1)) & (block_idx >= 0) & (block_idx < num_k_blocks)
-    seg = (bb * seg_heads + lh // group) * num_k_blocks + block_idx
+    seg = (bb * seg_heads + (lh // group).to(key_dtype)) * num_k_blocks + block_idx.to(key_dtype)
     key = torch.where(valid, 2 * seg + partial, 2 * n_seg).flatten()
-    head = (lh % group) << PACKED_BLOCK_BITS if packed else (lh % group) * nqb
-    entry = (head + qb).to(torch.int32).expand(b, hl, nqb, mb).flatten()
+    del seg, valid
     sorted_key, order = torch.sort(key, stable=True)
-    bounds = torch.arange(2 * n_seg + 1, device=dev)
-    return torch.searchsorted(sorted_key, bounds), entry[order]
+    del key
+    head = (lh % group) << PACKED_BLOCK_BITS if packed else (lh % group) * nqb
+    entry = (head + qb).to(torch.int32).expand(b, hl, nqb, mb).reshape(-1)[order]
+    del order
+    bounds = torch.arange(2 * n_seg + 1, device=dev, dtype=key_dtype)
+    return torch.searchsorted(sorted_key, bounds), entry
 
 
 def packed_entries_fit(group: int, num_q_blocks: int) -> bool:

@@ -116,14 +116,20 @@ def score_rows(
     at [:, j] as `score_vertical_slash` lays a document out (None for rows without segments)."""
     sampling = Sampling.of(cfg)
     n_sets = _num_sets(segments)
+    hq, s = q.shape[1], q.shape[2]
     out = []
     for row, row_segs in enumerate(segments):
         if not row_segs:
             out.append(None)
             continue
-        per_set = [fixed_vertical_slash(q[row], k[row], [(sg.start, sg.scored_end) for sg in row_segs if sg.set == j],
-                                        scale, sampling) for j in range(n_sets)]
-        out.append((torch.stack([v for v, _ in per_set], 1), torch.stack([sl for _, sl in per_set], 1)))
+        # Each set is summed in place into its slice: with causal chunks the S / estimation_chunk sets are the
+        # call's largest buffer, and stacking them from separate tensors held them twice (the memory model:
+        # `simulator.memory_model.estimation_sets`).
+        vertical, slash = (torch.zeros(hq, n_sets, s, dtype=torch.int64, device=q.device) for _ in range(2))
+        for j in range(n_sets):
+            fixed_vertical_slash(q[row], k[row], [(sg.start, sg.scored_end) for sg in row_segs if sg.set == j],
+                                 scale, sampling, out=(vertical[:, j], slash[:, j]))
+        out.append((vertical, slash))
     return out
 
 

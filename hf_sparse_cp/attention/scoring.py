@@ -224,14 +224,17 @@ def _scoring_kernel(q: torch.Tensor, k: torch.Tensor):
 
 def fixed_vertical_slash(
     q: torch.Tensor, k: torch.Tensor, docs: list[tuple[int, int]], scale: float, sampling: Sampling,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`score_vertical_slash` as exact fixed-point sums: int64 (vertical, slash) [Hq, S], each document's in
     its `sampling.encoding(start, end).mass`. On CUDA the Triton kernel's fp32 sums are rounded to it instead
-    (not exact: a context-parallel split, scored in PyTorch, can break exact ties otherwise)."""
+    (not exact: a context-parallel split, scored in PyTorch, can break exact ties otherwise). `out`: two zeroed
+    int64 [Hq, S] tensors (views of a caller's larger buffer allowed) to add the sums into, returned."""
     hq, s, _ = q.shape
     dtype = compute_dtype(q.dtype)
-    vertical = torch.zeros(hq, s, dtype=torch.int64, device=q.device)
-    slash = torch.zeros(hq, s, dtype=torch.int64, device=q.device)
+    if out is None:
+        out = tuple(torch.zeros(hq, s, dtype=torch.int64, device=q.device) for _ in range(2))
+    vertical, slash = out
     kernel = None if sampling.far_blocks else _scoring_kernel(q, k)  # the kernel sums every query's mass
     for start, end in docs:
         encoding = sampling.encoding(start, end)

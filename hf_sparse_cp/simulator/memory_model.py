@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from ..attention import build, reference, scoring
+from ..attention import build, estimate, reference, scoring
 from ..config import SparseAttentionConfig
 from ..config.model_fields import LEAN_LOSS_FAMILIES, decoder_layers
 from ..distributed.heads.split import HeadSplit
@@ -350,12 +350,22 @@ class _AttentionGeometry:
     width: str  # where the layout's width comes from
 
 
+def estimation_sets(cfg: SparseAttentionConfig, seq_len: int) -> tuple[int, int]:
+    """(score sets, scored offsets) of one document of `seq_len` tokens: 1 and seq_len with 'last_queries';
+    with 'causal_chunks' one set per chunk after the first, each scoring the keys before it
+    (`estimate.estimation_segments`). One process holds every set's scores over the whole row ([heads, sets, S]),
+    a ring rank the slash sums of every set's offsets: both grow as S^2 / estimation_chunk."""
+    segments = estimate.estimation_segments([[(0, seq_len)]], cfg)[0]
+    return max(1, len(segments)), max(seq_len, sum(sg.scored_end - sg.start for sg in segments))
+
+
 def layout_construction_bytes(heads: int, query_blocks: int, block_width: int, columns: int,
-                              block_size: int) -> tuple[float, float]:
+                              block_size: int, sets: int = 1) -> tuple[float, float]:
     """The peak of `build.build_layout` over its inputs, its output included, for one row of `heads` heads and
     `query_blocks` query blocks that list up to `block_width` key blocks and read a window of up to `columns` kept
-    columns (0: none): (bytes per token held for every head, bytes of one head chunk's temporaries). Counted on
-    the code; tests/unit/test_layout_memory.py checks it against `AllocationRecorder`."""
+    columns (0: none) of `sets` sets of kept columns (causal chunks: `estimation_sets`): (bytes per token held for
+    every head, bytes of one head chunk's temporaries). Counted on the code; tests/unit/test_layout_memory.py checks
+    it against `AllocationRecorder`."""
     n, tokens = heads * query_blocks, query_blocks * block_size
 
     def chunk(width: int) -> int:  # elements of a [chunk heads, NQB, width] tensor (`head_chunks`)
@@ -364,11 +374,11 @@ def layout_construction_bytes(heads: int, query_blocks: int, block_width: int, c
     # First the document starts of `first_visible_keys` (three int64 and a bool per token); with columns, then
     # their listing (`_compact` over [heads, S]: int32 positions and their int64 copy per head and token, an int64
     # arange per token) beside the masked copy of the kept columns and the diagonals' counts (below).
-    first = ((n * 44 + (13 * heads + 8) * tokens) / tokens if columns else 25.0, 0.0)
+    first = ((n * 44 + (13 * heads + 8) * tokens * sets) / tokens if columns else 25.0, 0.0)
     # Held through the block pass: block_idx and block_cnt (int32), four int64 per (head, query block) (the kept
     # diagonals' list, each block's base, rank and count); with columns also each window's start and span (int64),
     # the masked copy of the kept columns (bool [heads, S]) and every head's column mask (a bool per window slot).
-    blocks_held = n * (4 * block_width + 4) + (n * (16 + columns) + heads * tokens if columns else 0)
+    blocks_held = n * (4 * block_width + 4) + (n * (16 + columns) + heads * tokens * sets if columns else 0)
     # The block pass peaks at six int64 and a bool per element of its chunk (dense and diagonal key blocks, ranks,
     # the gathered diagonals, the two `where`s).
     phases = [first, ((blocks_held + 32 * n) / tokens, 49.0 * chunk(block_width))]
@@ -416,24 +426,35 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
     # full/partial split (an int32 copy of block_idx, a flag per slot) and backward's per-key-block list
     per_block = hq * (4 * width + 4 * cols + 8) + (hq * width * 9 if s.device == "cuda" else 0)
     construction = (0.0, 0.0)
+    # causal chunks: one set of scores and kept columns per chunk after the first (1 with 'last_queries')
+    sets, offsets = estimation_sets(cfg, seq_len) if sparse else (1, seq_len)
     if sparse:
         # the build, over the whole sequence under the ring (every rank builds the one-process layout:
-        # distributed/ring/estimation.py), counted per token of this call
+        # distributed/ring/estimation.py), counted per token of this call; beside it the kept flags of every
+        # set (bool [2, heads, sets, S], over the whole sequence on every rank) that it is built from
         built = nqb_global if ring else nqb
-        per_token, constant = layout_construction_bytes(hq, built, width, cols, bs)
-        construction = (per_token * built * bs / tokens if ring else per_token, constant)
+        per_token, constant = layout_construction_bytes(hq, built, width, cols, bs, sets)
+        construction = ((per_token * built * bs + 2 * hq * sets * seq_len) / tokens if ring else per_token
+                        + 2 * hq * sets, constant)
     estimation = (0.0, 0.0)
     if sparse:
-        # vertical and slash scores fp32 [heads, S] (and their stacked copies), kept flags [heads, S]; the
+        # vertical and slash scores (int64 [heads, sets, S]) and the kept flags [2, heads, sets, S]; the
         # reference scoring's tiles: about seven fp32 [group heads, last_q, keys] tensors (scores, exp,
-        # masks, int64 offsets) of at most scoring.SCORE_ELEMENTS elements
+        # masks, int64 offsets) of at most scoring.SCORE_ELEMENTS elements, and their keys in fp64 [keys, D]
         group = sh.heads // sh.kv_heads
         tile = min(scoring.SCORE_ELEMENTS, group * cfg.scoring.last_q * tokens)
-        per_token = heads * (4 * 2 * 2 + 2 * 2) + cfg.scoring.last_q
-        # distributed/ring/estimation.py: every rank holds the slash sums over all offsets, and reduces them
+        tile_keys = min(tokens, scoring.SCORE_ELEMENTS // max(1, group * cfg.scoring.last_q, sh.head_dim))
         if ring:
-            per_token += seq_len / tokens * heads * 4 * 2
-        estimation = (per_token, 7 * 4 * tile if s.device == "cpu" else 0.0)
+            # distributed/ring/estimation.py: the verticals of this rank's keys of every set (int64), the slash sums
+            # over every set's offsets (int64), which every rank holds four times at the reduce-scatter (the sums,
+            # their diagonals' concatenation, its padded copy and the rank-major send buffer), and the kept flags
+            # of every set over the whole sequence
+            cp = seq_len / tokens
+            per_token = (heads * (8 * offsets / cp + 4 * 8 * offsets + 2 * sets * seq_len)) / tokens
+        else:
+            per_token = heads * (8 * 2 + 2) * sets
+        per_token += cfg.scoring.last_q
+        estimation = (per_token, 7 * 4 * tile + 8 * sh.head_dim * tile_keys if s.device == "cpu" else 0.0)
     forward = backward = 0.0
     if s.device == "cpu":
         # Chunks of query blocks with at most reference.CHUNK_ELEMENTS score elements. Per element, a chunk's

@@ -252,3 +252,42 @@ def test_under_the_ring_every_rank_builds_the_whole_sequences_layout(s):
         per_token, constant = step.geometry.construction
         built[cp] = per_token * step.t + constant
     assert built[8] == pytest.approx(built[1], rel=1e-9)
+
+
+@pytest.mark.parametrize("chunk", [None, 128], ids=["last-queries", "causal-chunks"])
+def test_the_memory_model_counts_every_causal_chunks_score_set(chunk):
+    """Issue #50: with estimation='causal_chunks' one process holds a set of scores per chunk (int64 [heads, sets, S]
+    vertical and slash sums), S^2 / estimation_chunk in all; the memory model counted one set whatever the chunk
+    (`hf-sparse-cp memory` said 1.1M tokens of Qwen2.5-0.5B fit 80 GB with chunks of 1024, whose sets alone take
+    270 GB), and the sets, scored into separate tensors and then stacked, were held twice. The estimation's recorded
+    peak is the model's term within 10% (0.5B's heads; 63 sets at 8K tokens)."""
+    from hf_sparse_cp.simulator.memory_model import PRESETS, StepSettings, _Step
+
+    s = 8192
+    kw = dict(budget_mode="topk", vertical_topk=200, slash_topk=4, min_seq_len=256, block_size=64, last_q=16)
+    cfg = SparseAttentionConfig(**kw, **({} if chunk is None else dict(estimation="causal_chunks",
+                                                                       estimation_chunk=chunk)))
+    q, k, _ = (x.detach() for x in _inputs(s, hq=14, hk=2, d=64))
+    with AllocationRecorder(with_sites=False) as rec:
+        estimate_layout(q, k, cfg)
+    step = _Step(PRESETS["qwen2.5-0.5b"], s, StepSettings(device="cpu", pattern=cfg))
+    predicted = max(per_token * step.t + constant for per_token, constant in (step.geometry.estimation,
+                                                                              step.geometry.construction))
+    assert 0.9 <= predicted / rec.peak_bytes <= 1.1
+
+
+def test_the_key_block_csr_holds_about_five_int32_per_layout_slot():
+    """Issue #50: the transposed layout that the dK/dV kernel walks (`kernels.indexing.key_block_csr`) is built at
+    every backward call over the whole layout: int64 sort keys, their sorted copy, the block ids and the validity
+    held beside the sort made 42 bytes per layout slot, ten times block_idx (0.5B's 14 heads at 1M tokens with a 5%
+    budget in blocks of 64: 188M slots, 7.9 GB); int32 keys where they fit and nothing held across the sort: 20."""
+    from hf_sparse_cp.kernels.indexing import key_block_csr
+    from hf_sparse_cp.testing.layouts import random_layout
+
+    s = 16384
+    layout = random_layout(1, 14, s, s, 64, 0.1, 0.01, generator=torch.Generator().manual_seed(0))
+    partial = torch.rand(layout.block_idx.shape, generator=torch.Generator().manual_seed(1)) < 0.2
+    with AllocationRecorder(with_sites=False) as rec:
+        row_ptr, entries = key_block_csr(layout.block_idx, layout.block_cnt, partial, 14, 2, s // 64)
+    assert row_ptr.dtype == torch.int64 and int(row_ptr[-1]) == int(layout.block_cnt.sum())
+    assert rec.peak_bytes <= 24 * layout.block_idx.numel()  # (42 before)
