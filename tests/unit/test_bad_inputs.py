@@ -505,8 +505,8 @@ def test_an_output_folder_is_refused_naming_its_checkpoint_folders_alone(tmp_pat
         (tmp_path / f"checkpoint-{step}").mkdir()
     (tmp_path / "checkpoint-30").write_text("a stray file")
     with pytest.raises(ValueError, match=re.escape("it holds checkpoints (checkpoint-2, checkpoint-10). Resume from "
-                                                   "one of them, e.g. the newest complete one: --resume_from_checkpoint "
-                                                   f"{tmp_path / 'checkpoint-10'}.")):
+                                                   "one of them, e.g. the newest complete one: "
+                                                   f"--resume_from_checkpoint {tmp_path / 'checkpoint-10'}.")):
         check_checkpoint(tmp_path, {}, read_marker(tmp_path), reshardable=False)
 
 
