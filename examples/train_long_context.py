@@ -433,13 +433,13 @@ def _prog() -> str:
     return command_name(Path(__file__).name)
 
 
-def parse_args(argv: list[str], prog: str | None = None) -> ParsedArgs:
+def parse_args(argv: list[str]) -> ParsedArgs:
     """(script, training, sparse, pattern, cp, smet, explicit): a recipe file if the first argument is
     one, then the remaining flags (later ones win), over the defaults (the demo job's without a recipe
-    and a pretrained model, the library's otherwise); `explicit`: the fields the two set. `prog`: the name
-    its help and errors give (by default the command that ran it, `hf-sparse-cp train`, else this file's)."""
+    and a pretrained model, the library's otherwise); `explicit`: the fields the two set. Its help and errors name
+    the command that ran it (`hf-sparse-cp train`), else this file."""
     common, other = help_groups(SparseTrainingArguments, COMMON_FLAGS)  # --help: the common flags first
-    parser = _Parser((common, ScriptArguments, other), prog=prog or _prog(), description=DESCRIPTION)
+    parser = _Parser((common, ScriptArguments, other), prog=_prog(), description=DESCRIPTION)
     try:
         argv, recipe = take_recipe(list(argv))
         from_recipe = 0  # (the first arguments: the recipe's flags)
