@@ -446,11 +446,11 @@ def _attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, token
         tile_keys = min(tokens, scoring.SCORE_ELEMENTS // max(1, group * cfg.scoring.last_q, sh.head_dim))
         if ring:
             # distributed/ring/estimation.py: the verticals of this rank's keys of every set (int64), the slash sums
-            # over every set's offsets (int64), which every rank holds four times at the reduce-scatter (the sums,
-            # their diagonals' concatenation, its padded copy and the rank-major send buffer), and the kept flags
-            # of every set over the whole sequence
+            # over every set's offsets (int64), which every rank holds twice while it packs their diagonals for the
+            # reduce-scatter (the sums and the rank-major send buffer), and the kept flags of every set over the
+            # whole sequence
             cp = seq_len / tokens
-            per_token = (heads * (8 * offsets / cp + 4 * 8 * offsets + 2 * sets * seq_len)) / tokens
+            per_token = (heads * (8 * offsets / cp + 2 * 8 * offsets + 2 * sets * seq_len)) / tokens
         else:
             per_token = heads * (8 * 2 + 2) * sets
         per_token += cfg.scoring.last_q

@@ -184,21 +184,41 @@ def _sharded_scores(q: torch.Tensor, k: torch.Tensor, cfg: SparseAttentionConfig
             )
     warn_if_costly(1 + max(sg.set for _, sg in flat), (vertical.numel() + slash.numel()) * vertical.element_size(),
                    cfg)
-    # the diagonals the budget ranks, from the partial slashes (linear, integer weights), summed in their place
-    diagonals = [cfg.budget.diagonal_sums(slash[:, a:b], cfg.block_size) for a, b in zip(slash_base, slash_base[1:])]
-    diagonal_base = list(itertools.accumulate((x.shape[1] for x in diagonals), initial=0))
+    # the diagonals the budget ranks, from the partial slashes (linear, integer weights), written straight into
+    # the reduce-scatter's rank-major buffer: the slashes and that buffer are all a rank holds of them at once
+    send, diagonal_base = _diagonals_by_rank(slash, slash_base, cfg, shard.parallel.cp_size)
+    del slash
     # 4. every rank's candidates
     all_keys = torch.cat([torch.arange(key_lo[i], key_lo[i] + key_n[i], device=dev) for i in range(len(flat))])
     return _candidates_of_every_rank(_Scores(vertical, key_base, tok[all_keys], keys_held),
-                                     _Scores(torch.cat(diagonals, 1), diagonal_base, None, None), flat,
+                                     _Scores(send, diagonal_base, None, None), flat,
                                      [e.mass for e in encodings], plan.padded_len, cfg, shard)
+
+
+def _diagonals_by_rank(slash: torch.Tensor, slash_base: list[int], cfg: SparseAttentionConfig,
+                       cp_size: int) -> tuple[torch.Tensor, list[int]]:
+    """(int64 [cp_size, H, span], bases): every segment's diagonal sums (`Budget.diagonal_sums` of its slashes
+    slash[:, slash_base[i]:slash_base[i + 1]]) packed one after another along one axis of span x cp_size entries
+    (zero-padded at the end), split into cp_size rank-major chunks (chunk r: what rank r sums), and where each
+    segment's diagonals start on that axis. One copy (the built-in budgets' diagonal sums are the slashes
+    themselves, or their block sums, far fewer)."""
+    diagonals = [cfg.budget.diagonal_sums(slash[:, a:b], cfg.block_size) for a, b in zip(slash_base, slash_base[1:])]
+    bases = list(itertools.accumulate((x.shape[1] for x in diagonals), initial=0))
+    span = -(-bases[-1] // cp_size)
+    send = slash.new_zeros(cp_size, slash.shape[0], span)
+    for values, lo, hi in zip(diagonals, bases, bases[1:]):
+        for r in range(lo // span, -(-hi // span)) if span else ():
+            a, b = max(lo, r * span), min(hi, (r + 1) * span)
+            send[r, :, a - r * span : b - r * span] = values[:, a - lo : b - lo]
+    return send, bases
 
 
 class _Scores(NamedTuple):
     """One kind of score of every segment, packed, as fixed-point int64 sums: segment i at
     values[:, bases[i]:bases[i + 1]]. Verticals: this rank's keys, at global `positions`, `held` [segments,
     cp_size] by each rank; diagonals (positions and held None): every one of each segment, the same layout on
-    every rank, partial sums."""
+    every rank, partial sums, with values [cp_size, H, span] split by the rank that sums them
+    (`_diagonals_by_rank`)."""
 
     values: torch.Tensor
     bases: list[int]
@@ -235,13 +255,12 @@ def _candidates_of_every_rank(vertical: _Scores, diagonal: _Scores, flat: list[t
     w, rank, group, budget = shard.parallel.cp_size, shard.rank, shard.parallel.cp_group, cfg.budget
     dev = vertical.values.device
     step_bits = budget.diagonal_step(cfg.block_size).bit_length() - 1
-    span = -(-diagonal.values.shape[1] // w)
-    padded = torch.nn.functional.pad(diagonal.values, (0, span * w - diagonal.values.shape[1]))
+    span = diagonal.values.shape[-1]
     if w > 1:
-        summed = padded.new_empty(padded.shape[0], span)
-        reduce_scatter_rows(summed, padded.unflatten(1, (w, span)).movedim(1, 0).flatten(0, 1), group)
+        summed = diagonal.values.new_empty(diagonal.values.shape[1:])
+        reduce_scatter_rows(summed, diagonal.values.flatten(0, 1), group)
     else:
-        summed = padded
+        summed = diagonal.values[0]
     first, last, ranks = torch.tensor(diagonal.bases[:-1]), torch.tensor(diagonal.bases[1:]), torch.arange(w)
     diagonal_held = (torch.minimum(last.unsqueeze(1), (ranks + 1) * span)
                      - torch.maximum(first.unsqueeze(1), ranks * span)).clamp_min(0)
