@@ -272,22 +272,22 @@ def _train(argv: list[str]) -> int:
     if not is_available("datasets"):
         parser.error("`hf-sparse-cp train` makes its demo data with `datasets`: pip install 'hf-sparse-cp[demo]'.")
     processes = launched_processes(options)
-    if processes is not None:
-        # the example's flags as each process parses them first (its refusals, and --help, once, before any starts),
-        # a CP degree the processes cannot run (a recipe's too) and a model they cannot load
-        from hf_sparse_cp.examples import train_long_context as example
-        from hf_sparse_cp.trainer.plugin_arguments import parsing_for_launch
-
-        with parsing_for_launch(processes), running_as("hf-sparse-cp train"):
-            parsed = example.parse_args(rest)
-        refuse_unlaunchable(parser, parsed.training, processes, options.accelerate_config)
-        if parsed.script.model_name_or_path:  # (each process checks it as it loads the model: a folder not there)
-            try:
-                example.check_model_source(parsed.script.model_name_or_path)
-            except ValueError as e:
-                parser.error(str(e))
-        refuse_unrunnable_config(parser, options)
     with running_as("hf-sparse-cp train"):  # (the example's help and refusals, here and in each process)
+        if processes is not None:
+            # the example's flags as each process parses them first (its refusals, and --help, once, before any
+            # starts), a CP degree the processes cannot run (a recipe's too) and a model they cannot load
+            from hf_sparse_cp.examples import train_long_context as example
+            from hf_sparse_cp.trainer.plugin_arguments import parsing_for_launch
+
+            with parsing_for_launch(processes):
+                parsed = example.parse_args(rest)
+            refuse_unlaunchable(parser, parsed.training, processes, options.accelerate_config)
+            if parsed.script.model_name_or_path:  # (each process checks it as it loads the model: a folder not there)
+                try:
+                    example.check_model_source(parsed.script.model_name_or_path)
+                except ValueError as e:
+                    parser.error(str(e))
+            refuse_unrunnable_config(parser, options)
         return launch(options, ["-m", EXAMPLE_MODULE, *rest], _run_here)
 
 
