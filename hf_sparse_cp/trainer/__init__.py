@@ -7,7 +7,8 @@
 * `context_parallel.py`: `enable_trainer_context_parallel` (the Trainer's CP input preparation);
 * `token_ids.py`: the CP data loader's check of token ids against the model's vocabulary, on the host;
 * `curriculum.py`: `--cp_schedule`, a context-length curriculum switched online (`enable_curriculum`), whose
-  stages `schedule.py` reads;
+  stages `schedule.py` reads, `stage_plan.py` checks for the run (`build_schedule`) and `stage_data.py` feeds
+  (the cropped samples, the run-long batch sampler);
 * `checkpoints.py`: checks a resume against the run, and FSDP2's sharded checkpoints (the marker that says a
   checkpoint is complete is read without torch by `hf_sparse_cp.checkpoint_marker`, below the layers);
 * `cpu_fsdp.py`: `--fsdp` as FSDP2 on CPU processes; `smet.py`: `install_smet` / `uninstall_smet`;

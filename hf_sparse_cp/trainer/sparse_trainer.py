@@ -60,7 +60,7 @@ from .attach import (
 from .callbacks import StepMetricsCallback
 from .cp_checks import check_training_arguments
 from .cpu_fsdp import check_cpu_fsdp_version, disable_cpu_fsdp2, set_up_fsdp2
-from .curriculum import card_stages, check_schedule_flags
+from .curriculum import card_stages
 from .generated_rows import generation_batch_counted_by_trl
 from .plugin_arguments import (
     LENGTH_FIELD,
@@ -75,6 +75,7 @@ from .plugin_arguments import (
 from .reference import attend_like_trained_model
 from .schedule import parse_schedule
 from .smet import check_smet_optim, install_smet
+from .stage_plan import check_schedule_flags
 from .tied_weights import alias_tied_weights
 
 logger = logging.getLogger(__name__)
