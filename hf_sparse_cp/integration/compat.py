@@ -416,7 +416,7 @@ PATCHES = (
     Patch("transformers.modeling_layers.GenericForTokenClassification", "forward", "reads", "under CP a "
           "token-classification head with this forward trains: it scores every token on its own and its loss (a "
           "mean over its shard's labels, the loss keywords dropped) is replaced by the CP group's "
-          "(trainer/context_parallel.py `smooth_labels_over_cp_group`); a class with a forward of its own is refused"),
+          "(trainer/cp_token_loss.py `smooth_labels_over_cp_group`); a class with a forward of its own is refused"),
     Patch("transformers.modeling_layers.GenericForQuestionAnswering", "forward", "reads", "under CP a "
           "question-answering head with this forward trains: a forward hook makes its qa_outputs layer's output the "
           "whole row's, gathered over the CP group, from which it computes its start and end logits and loss "

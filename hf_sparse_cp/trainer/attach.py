@@ -426,7 +426,7 @@ def shift_smoothed_labels_under_fsdp(trainer: Trainer, patches: PatchSet) -> Non
     """Make the Trainer's label smoothing (`--label_smoothing_factor`) of a causal LM under FSDP2 shift its labels,
     as it does without FSDP: the Trainer decides by the model class's name, which FSDP2 replaces
     (`compat.smoother_shifts_labels`). Under CP the CP group's smoother decides so itself
-    (`context_parallel.smooth_labels_over_cp_group`); this is the runs without CP's. No-op without label smoothing
+    (`cp_token_loss.smooth_labels_over_cp_group`); this is the runs without CP's. No-op without label smoothing
     or FSDP."""
     smoother = trainer.label_smoother
     if smoother is None or not trainer.is_fsdp_enabled:

@@ -49,15 +49,9 @@ from ..integration.registration import store_pattern
 from ..reporting.model_card import CardStage
 from .arguments import flag_errors
 from .callbacks import add_to_log
-from .context_parallel import (
-    count_once_per_cp_group,
-    cp_group_steps,
-    first_batch_of_each_run,
-    follow_first_ranks_generators,
-    pad_token_id,
-    step_inputs,
-)
+from .cp_batches import first_batch_of_each_run, follow_first_ranks_generators, pad_token_id, step_inputs
 from .cp_checks import check_loss, check_training_arguments, warn_inexact
+from .cp_steps import count_once_per_cp_group, cp_group_steps
 from .schedule import Stage
 from .stage_data import StageDataLoader, train_data_loader
 from .stage_plan import Schedule, build_schedule, check_zigzag_length

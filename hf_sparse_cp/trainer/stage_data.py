@@ -15,7 +15,7 @@ from transformers import Trainer
 from ..distributed import ParallelDims
 from ..integration import compat
 from .arguments import flag_errors
-from .context_parallel import dp_data_loader
+from .cp_batches import dp_data_loader
 from .stage_plan import Schedule
 
 
