@@ -55,8 +55,8 @@ from ..backends import choose_backend
 from ..config import SparseAttentionConfig
 from ..distributed.shard import CP_SHARD_KWARG
 from .call_tokens import _BIDIRECTIONAL, every_key_call
-from .compat import register_ordered_effect, unbacked_size
 from .stats import record_kept_fraction
+from .upstream import register_ordered_effect, unbacked_size
 
 TRACED_ENV = "HF_SPARSE_CP_TRACED_ATTENTION"
 # 'auto': a call the ops take goes through them where the torch traces them (`OPS_MIN_TORCH`); 'ops': on any torch (to
@@ -154,7 +154,7 @@ def dense_call(q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor | No
     `dense_sdpa` sends there, at run time: with `check`, choose its backend as eagerly (`dense.dense_backend` on the
     tokens of its keyword arguments: $HF_SPARSE_CP_DENSE_BACKEND=sdpa refuses packed rows, as it does eagerly);
     then record the kept fraction of a dense call (1) on the module `layer` names, as `sequence_plan` does. An ordered
-    side effect (`compat.register_ordered_effect`: the graph keeps it though it returns nothing)."""
+    side effect (`upstream.register_ordered_effect`: the graph keeps it though it returns nothing)."""
     b, _, s, _ = q.shape
     if check:
         kwargs = _token_kwargs(position_ids, cu_seq_lens_q, cu_seq_lens_k)

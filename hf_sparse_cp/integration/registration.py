@@ -11,7 +11,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, language_config, pattern_holders
-from . import compat
+from . import upstream
 from .backend import is_registered, parse_layer_configs, pass_positions_on
 from .composite import backend_selection, implementations, switched_to
 from .given import require_model
@@ -179,7 +179,7 @@ def _has_head(module: torch.nn.Module) -> bool:
 
 
 def _check_registration(module: torch.nn.Module, args, kwargs) -> None:
-    if compat.attn_implementation(module.config) == BACKEND_NAME and not is_registered():
+    if upstream.attn_implementation(module.config) == BACKEND_NAME and not is_registered():
         raise RuntimeError(
             f"{type(module).__name__} uses attn_implementation='sparse_cp', which is not registered with "
             "transformers in this process (hf_sparse_cp.unpatch() removed it, or hf_sparse_cp.patch() was not called "

@@ -44,7 +44,7 @@ from ..backends import PLOT_EXTRA
 from ..checkpoint_marker import newest_complete_checkpoint
 from ..config import BACKEND_NAME, SparseAttentionConfig, language_config
 from ..distributed import ParallelDims
-from ..integration import compat
+from ..integration import fsdp_class_names, upstream
 from ..integration.given import require_trainer
 from ..integration.stats import PEAK_MEMORY, TOKENS_PER_SECOND
 from ..smet import SMETConfig, unwrap_smet
@@ -163,7 +163,7 @@ def _sparse_config(trainer: Trainer) -> SparseAttentionConfig | None:
     `sparse_attention`) whatever this run attends with: a dense run of it (--sparse_attention false, sdpa) had a card
     saying it trained with that pattern."""
     config = getattr(trainer.model, "config", None)
-    if config is None or compat.attn_implementation(language_config(config)) != BACKEND_NAME:
+    if config is None or upstream.attn_implementation(language_config(config)) != BACKEND_NAME:
         return None
     return SparseAttentionConfig.stored_on(config)
 
@@ -694,14 +694,14 @@ def _accepted(create_card: Callable[..., Any], kwargs: dict[str, Any]) -> dict[s
 
 
 def _with_task(trainer: Trainer, create_card: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`kwargs` with the task of the model's class (`compat.card_tasks`) where the card writer takes `tasks`, none is
-    given and FSDP2 renamed the class, whose name the stock card infers the task from (else it drops the card's
-    model-index results)."""
+    """`kwargs` with the task of the model's class (`fsdp_class_names.card_tasks`) where the card writer takes
+    `tasks`, none is given and FSDP2 renamed the class, whose name the stock card infers the task from (else it drops
+    the card's model-index results)."""
     model = trainer.model
     if (kwargs.get("tasks") is not None or "tasks" not in inspect.signature(create_card).parameters
-            or compat.unsharded_class(model) is type(model)):
+            or fsdp_class_names.unsharded_class(model) is type(model)):
         return kwargs
-    return {**kwargs, "tasks": compat.card_tasks(model)}
+    return {**kwargs, "tasks": fsdp_class_names.card_tasks(model)}
 
 
 def write_sparse_model_card(

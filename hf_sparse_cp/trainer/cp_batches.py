@@ -18,7 +18,7 @@ from transformers import Trainer
 from ..config import SparseAttentionConfig
 from ..distributed import ParallelDims, prepare_context_parallel_inputs
 from ..distributed.comm import naming_unresponsive_ranks
-from ..integration import compat
+from ..integration import compat, upstream
 from ..integration.composite import tower_names
 from .arguments import flag_errors
 from .stream_rows import count_stream, read_whole_stream
@@ -44,7 +44,7 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
     from accelerate.data_loader import prepare_data_loader
 
     acc = trainer.accelerator
-    options = compat.dp_data_loader_options(acc)
+    options = upstream.dp_data_loader_options(acc)
     if options["dispatch_batches"]:
         raise ValueError(
             f"dispatch_batches=True (--accelerator_config) under context parallelism (CP {parallel.cp_size}): "
@@ -69,9 +69,9 @@ def dp_data_loader(trainer: Trainer, parallel: ParallelDims):
         # seeds a worker by the process index, which differs within the group; accelerate's loader iterates the
         # torch loader it wraps, `base_dataloader`)
         loader = getattr(prepared, "base_dataloader", prepared)
-        loader.worker_init_fn = compat.seed_workers_by(loader.worker_init_fn, parallel.dp_rank)
+        loader.worker_init_fn = upstream.seed_workers_by(loader.worker_init_fn, parallel.dp_rank)
         loader.collate_fn = CheckedCollate(loader.collate_fn, vocabulary, towers, classes)
-        compat.track_data_loader(acc, prepared)
+        upstream.track_data_loader(acc, prepared)
         count_stream(prepared)
         return prepared
 
@@ -122,7 +122,7 @@ def follow_first_ranks_generators(trainer: Trainer, patches, parallel: Callable[
     and evaluated on a mix of different rows, checked at a run's first batch only (`check_same_batch`). One broadcast
     of the states (about 7 KB) per training step and per evaluation batch, before the loader builds batches
     (`get_batch_samples`; `evaluation_loop`'s every draw from its loader, as a callback's `on_prediction_step` may draw
-    between them): every rank alike; a loader's workers are seeded on their own (`compat.seed_workers_by`).
+    between them): every rank alike; a loader's workers are seeded on their own (`upstream.seed_workers_by`).
     `parallel()` is the CP layout of the step in progress."""
     compat.require("transformers.Trainer.get_batch_samples")
     compat.require("transformers.Trainer.evaluation_loop")

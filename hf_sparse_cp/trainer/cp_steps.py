@@ -17,7 +17,7 @@ from transformers.trainer_pt_utils import find_batch_size
 
 from ..distributed import CP_SHARD_KWARG, CPShard, ParallelDims, global_num_items
 from ..distributed.comm import all_reduce
-from ..integration import compat
+from ..integration import compat, trainer_losses, upstream
 from ..integration.backend import cp_forwards_begun
 from ..integration.heads import BATCH_OUTPUT_HEADS, model_head, pool_over_cp_group
 from ..integration.patching import temporarily
@@ -54,7 +54,7 @@ def count_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], Pa
         # transformers reads the CP degree from accelerate's ParallelismConfig only; with it, the
         # total batch size and `num_items_in_batch` (the loss's token count) divide by the CP degree
         patches.set_attr(trainer, "get_cp_size", cp_size)
-    divides = owns_cp or compat.token_count_divides_by_get_cp_size()
+    divides = owns_cp or upstream.token_count_divides_by_get_cp_size()
     compat.require(f"transformers.Trainer.{compat.TRAINER_COUNT_ITEMS}")
     count = getattr(trainer, compat.TRAINER_COUNT_ITEMS)
 
@@ -122,7 +122,7 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     `preprocess_logits_for_metrics`, `compute_metrics` and `predict()` see what one process gives them; label
     smoothing is the CP group's (`smooth_labels_over_cp_group`), and NEFTune's noise one process's
     (`neftune_over_cp_group`). A trainer whose loss is built from the outputs of whole rows (TRL's DPO, KTO and Reward
-    trainers, the experimental ORPO and CPO: `compat.cp_whole_row_losses`) gets its batches whole instead:
+    trainers, the experimental ORPO and CPO: `trainer_losses.cp_whole_row_losses`) gets its batches whole instead:
     each forward of its model and reference model in a step is sharded and its outputs gathered back into the whole rows
     (`whole_rows.py`), so its loss and the metrics it gathers are the batch's on every rank of the group. A
     sequence-classification or question-answering head (`heads.BATCH_OUTPUT_HEADS`) computes the batch's outputs on
@@ -136,11 +136,11 @@ def cp_group_steps(trainer: Trainer, patches, parallel: Callable[[], ParallelDim
     # the last prediction step's loader and the stream's rows of its global batch, where it holds copies (same)
     stream_last: list[tuple[Any, int] | None] = [None]
     shard: list[CPShard | None] = [None]  # the step's batch's (None: the batch ran unsharded)
-    whole_rows = type(trainer).compute_loss in compat.cp_whole_row_losses()
+    whole_rows = type(trainer).compute_loss in trainer_losses.cp_whole_row_losses()
     # (GRPO's and RLOO's rows are generated in the step, unsharded on each CP group's first rank: those forwards are
     # not CP's)
     preparing = (share_generation_batches(trainer, patches, parallel)
-                 if type(trainer).compute_loss in compat.cp_generated_row_losses() else lambda: False)
+                 if type(trainer).compute_loss in trainer_losses.cp_generated_row_losses() else lambda: False)
     hook_forwards = hook_whole_row_forwards(trainer, patches, parallel, prepare,
                                             lambda: in_step[0] and not preparing())
     # (a sequence-classification or question-answering head's outputs and loss are the batch's on every rank: how

@@ -13,7 +13,7 @@ from transformers import Trainer
 
 from ..distributed import ParallelDims, global_num_items
 from ..distributed.loss import rank_loss
-from ..integration import compat
+from ..integration import compat, fsdp_class_names
 from ..integration.architectures import computes_unshifted_loss
 from ..integration.heads import BATCH_OUTPUT_HEADS, LANGUAGE_MODEL, TOKEN_CLASSIFICATION, model_head
 
@@ -85,7 +85,7 @@ def smooth_labels_over_cp_group(trainer: Trainer, patches, parallel: Callable[[]
         # (a causal LM's own loss shifts whatever its class's name, an encoder-decoder family's decoder's never; the
         # Trainer's check of the name misses a causal LM that FSDP2 renamed)
         shift = ((head == LANGUAGE_MODEL and not unshifted_lm) if own_loss
-                 else shift_labels or compat.smoother_shifts_labels(trainer.model))
+                 else shift_labels or fsdp_class_names.smoother_shifts_labels(trainer.model))
         if par.cp_size == 1 or head in BATCH_OUTPUT_HEADS:  # (its pooled logits and row labels: the batch's)
             return smoother(model_output, labels, shift_labels=shift, num_items_in_batch=num_items_in_batch)
         if not shift:  # the Trainer smooths the labels as given

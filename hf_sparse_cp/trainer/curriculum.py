@@ -38,7 +38,7 @@ from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 
 from ..config import MODEL_CONFIG_ATTRIBUTE, language_config
 from ..distributed import ContextParallelConfig, ParallelDims
-from ..integration import compat
+from ..integration import compat, trainer_losses, upstream
 from ..integration.backend import guard_context_parallel, model_config_for
 from ..integration.given import require_instance, require_trainer
 from ..integration.heads import SEQUENCE_CLASSIFICATION, model_head
@@ -230,7 +230,7 @@ def enable_curriculum(
         if any(s.cp_size > 1 for s in schedule.stages):
             check_model_supports_context_parallel(model)
             check_loss(trainer, max(s.cp_size for s in schedule.stages))
-            if type(trainer).compute_loss in compat.cp_whole_row_losses():
+            if type(trainer).compute_loss in trainer_losses.cp_whole_row_losses():
                 raise ValueError(f"a cp_schedule with {type(trainer).__name__}: a stage crops each sample's "
                                  "input_ids to its length, and a preference sample's prompt and completions are kept "
                                  "whole. Train it under CP with --cp_size (a single CP degree) instead of "
@@ -298,7 +298,7 @@ def _refuse_split_batches(trainer: Trainer, schedule: Schedule) -> None:
     a step of the curriculum's sampler takes per_device_train_batch_size x accumulation samples on every DP rank of its
     stage, where split_batches means that many in all, split over the ranks (the run took DP-degree times more, and
     trained another run than the flags said, silently). With one DP rank in every stage the two agree."""
-    if not compat.dp_data_loader_options(trainer.accelerator).get("split_batches"):
+    if not upstream.dp_data_loader_options(trainer.accelerator).get("split_batches"):
         return
     world = trainer.accelerator.num_processes
     split = [(i, stage) for i, stage in enumerate(schedule.stages) if stage.cp_size < world]
