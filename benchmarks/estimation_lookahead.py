@@ -48,7 +48,7 @@ from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.env import environment
 from hf_sparse_cp.examples.passkey import passkey_text
 from hf_sparse_cp.integration import upstream
-from hf_sparse_cp.integration.backend import layer_config
+from hf_sparse_cp.integration.layer_settings import layer_config
 from hf_sparse_cp.testing import pretrained
 from hf_sparse_cp.testing.benchmarking import write_report
 

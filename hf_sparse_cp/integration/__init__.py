@@ -1,6 +1,9 @@
 """What transformers calls, and the one place that names its private members.
 
-* `backend.py`: `sparse_cp_attention_forward`, the function transformers calls per layer;
+* `backend.py`: `sparse_cp_attention_forward`, the function transformers calls per layer, with what it reads:
+  `call_context.py` (a probe or the CP shard of the forward in progress), `layer_settings.py` (each layer's
+  pattern, parsed once), `forward_positions.py` (the forward's position_ids passed on to its calls) and
+  `call_refusals.py` (what a call asks that sparse_cp does not compute);
 * `call_tokens.py`: `sparse_cp_mask`, the mask function registered with it, and the token metadata a forward's
   layers share;
 * `interfaces.py`: `patch`, `unpatch` (the backend registered with transformers); `registration.py`: `configure`;

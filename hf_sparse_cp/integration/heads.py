@@ -29,7 +29,7 @@ from transformers.modeling_layers import (
     GenericForTokenClassification,
 )
 
-from .backend import cp_forward_shard
+from .call_context import cp_forward_shard
 
 LANGUAGE_MODEL, TOKEN_CLASSIFICATION = "language model", "token classification"
 SEQUENCE_CLASSIFICATION, QUESTION_ANSWERING = "sequence classification", "question answering"

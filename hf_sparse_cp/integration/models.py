@@ -53,19 +53,17 @@ from .architectures import (
     later_routing_release,
     transformers_release,
 )
-from .backend import (
+from .backend import is_registered
+from .call_context import AttentionProbe, ProbedCall, probing
+from .call_refusals import (
     MODULE_DROPOUTS,
-    AttentionProbe,
-    ProbedCall,
     config_dropout,
     dropout_fix,
     dropout_probability,
     is_cross_attention,
-    is_registered,
     locality_refusal,
     mask_only_window,
     masked_locality,
-    probing,
 )
 from .call_tokens import NonCausalMask, RefusedAtMask, UnroutedMask, computes_own_attention
 from .composite import backend_selection, in_tower, switched_to, tower_names
@@ -395,7 +393,7 @@ def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
 
 def check_mask_only_locality(model: torch.nn.Module, max_length: int, packed_documents: bool = False) -> None:
     """Raise ValueError, naming the fix, when training sequences of `max_length` tokens are longer than a sliding
-    window or attention chunk that `model` puts into its attention mask only (`backend.masked_locality`: PhiMoE's
+    window or attention chunk that `model` puts into its attention mask only (`call_refusals.masked_locality`: PhiMoE's
     window, Llama 4's chunked layers), which the backend would refuse at the first step. With `packed_documents`
     (rows that pack several documents) the documents may each fit, and the backend checks every call."""
     config = model.config
@@ -431,7 +429,7 @@ def _attention_layer_dropout(model: torch.nn.Module) -> str | None:
 def check_model_supports_sparse_attention(model: torch.nn.Module, *, training: bool = True,
                                          context_parallel: bool = False) -> None:
     """Raise ValueError, naming the cause and the fix, when the `sparse_cp` backend would refuse `model`'s
-    attention at its first call (see `backend._refuse_unsupported`): checked from the model before
+    attention at its first call (see `call_refusals.refuse_unsupported`): checked from the model before
     training, not after everything is built. Attention dropout is refused only with `training` (a model in eval
     mode passes dropout 0). What no setting of the model fixes (encoder-decoder, bidirectional attention) is refused
     first; with `context_parallel` (the CP check) the fixes drop CP too, whose ring needs the sparse backend."""
@@ -446,7 +444,7 @@ def check_model_supports_sparse_attention(model: torch.nn.Module, *, training: b
                          f"{stock}")
     towers = tower_names(model)  # (they keep their own attention: `composite`)
     # (a decoder's cross-attention runs only on encoder states, which a decoder-only forward has none of: the backend
-    # refuses its call, `backend.unsupported_feature`)
+    # refuses its call, `call_refusals.unsupported_feature`)
     bidirectional = [n for n, m in model.named_modules()
                      if getattr(m, "is_causal", True) is False and not in_tower(n, towers)
                      and not is_cross_attention(m, n)]

@@ -29,7 +29,6 @@ from ..distributed import ContextParallelConfig, ParallelDims
 from ..distributed.comm import group_timeout, rank_and_world
 from ..integration import fsdp_class_names, upstream
 from ..integration.architectures import uses_every_parameter
-from ..integration.backend import forget_layer_state, model_config_for
 from ..integration.fused_ops import (
     describe_fused_ops,
     disable_fused_ops,
@@ -39,6 +38,7 @@ from ..integration.fused_ops import (
 )
 from ..integration.given import require_instance, require_model, require_trainer
 from ..integration.interfaces import is_patched, patch, unpatch
+from ..integration.layer_settings import forget_layer_state, model_config_for
 from ..integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
 from ..integration.memory_savers import disable_memory_savers, enable_memory_savers, token_tiles_enabled
 from ..integration.models import (

@@ -26,9 +26,10 @@ from transformers import Trainer
 
 from ..distributed import ContextParallelConfig, ParallelDims
 from ..integration import compat
-from ..integration.backend import guard_context_parallel, model_config_for
+from ..integration.call_context import guard_context_parallel
 from ..integration.given import require_instance, require_trainer
 from ..integration.heads import SEQUENCE_CLASSIFICATION, model_head
+from ..integration.layer_settings import model_config_for
 from ..integration.models import check_model_supports_context_parallel
 from ..integration.patching import record_on, undo_recorded
 from ..integration.planner_weights import planned_linear_weight

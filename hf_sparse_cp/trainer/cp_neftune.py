@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import Trainer
 
-from ..integration.backend import cp_forward_shard
+from ..integration.call_context import cp_forward_shard
 from ..integration.heads import base_model
 
 

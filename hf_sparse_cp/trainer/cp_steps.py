@@ -18,7 +18,7 @@ from transformers.trainer_pt_utils import find_batch_size
 from ..distributed import CP_SHARD_KWARG, CPShard, ParallelDims, global_num_items
 from ..distributed.comm import all_reduce
 from ..integration import compat, trainer_losses, upstream
-from ..integration.backend import cp_forwards_begun
+from ..integration.call_context import cp_forwards_begun
 from ..integration.heads import BATCH_OUTPUT_HEADS, model_head, pool_over_cp_group
 from ..integration.patching import temporarily
 from .adapter_loss import regularizer_share

@@ -19,7 +19,7 @@ from transformers import Trainer
 
 from ..config import BACKEND_NAME, SparseAttentionConfig
 from ..integration import upstream
-from ..integration.backend import model_config_for
+from ..integration.layer_settings import model_config_for
 from .arguments import SparseCPArguments
 from .attach import enable_sparse_attention
 from .whole_rows import REFERENCE_MODEL

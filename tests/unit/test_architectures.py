@@ -721,8 +721,8 @@ SWEPT = {
 
 
 # Models whose mask is built without the position_ids (their sdpa attends across restarts; sparse_cp packs by them, as
-# it does for every model that hands its layers none: `backend.with_forward_positions`), among them the BART family's
-# decoders, which take position_ids through their keyword arguments only.
+# it does for every model that hands its layers none: `forward_positions.with_forward_positions`), among them the BART
+# family's decoders, which take position_ids through their keyword arguments only.
 UNPACKED_BY_THE_MASK = ("biogpt", "granitemoehybrid", "bart", "mbart", "plbart", "blenderbot", "blenderbot-small",
                         "marian", "pegasus")
 

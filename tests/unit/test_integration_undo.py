@@ -148,7 +148,7 @@ def test_disable_leaves_the_modules_without_what_the_backend_kept_on_them(tmp_pa
     them, and on a model under CP the forward's shard: none stays after the undo (before: every attention module kept
     `_hf_sparse_cp_layer_config` and the unread `_hf_sparse_cp_kept*`, the model an empty
     `_hf_sparse_cp_cp_forward`)."""
-    from hf_sparse_cp.integration.backend import guard_context_parallel
+    from hf_sparse_cp.integration.call_context import guard_context_parallel
 
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     assert not _plugin_state(model)

@@ -116,7 +116,8 @@ def _docs(lengths, seed=2):
 
 
 # Llama 4's decoder layer keeps `position_ids` from its attention call (only its mask packs by them): the backend
-# takes them from the model's forward (`backend.forward_positions`); before, it attended across the documents.
+# takes them from the model's forward (`forward_positions.with_forward_positions`); before, it attended across the
+# documents.
 @pytest.mark.parametrize("model_type", ["qwen2", "llama", "llama4_text"])
 def test_packed_documents_by_position_ids(model_type):
     ref, ours = _pair(model_type)

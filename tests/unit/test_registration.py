@@ -5,7 +5,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import hf_sparse_cp
 from hf_sparse_cp.integration import upstream
-from hf_sparse_cp.integration.backend import model_config_for, sparse_cp_attention_forward
+from hf_sparse_cp.integration.backend import sparse_cp_attention_forward
+from hf_sparse_cp.integration.layer_settings import model_config_for
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 
