@@ -47,8 +47,8 @@ from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.env import environment
 from hf_sparse_cp.examples.passkey import passkey_text
-from hf_sparse_cp.integration import compat
-from hf_sparse_cp.integration.backend import layer_config
+from hf_sparse_cp.integration import upstream
+from hf_sparse_cp.integration.layer_settings import layer_config
 from hf_sparse_cp.testing import pretrained
 from hf_sparse_cp.testing.benchmarking import write_report
 
@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"prompt {i}: {row} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     finally:
         model.set_attn_implementation("sdpa")
-        compat.unregister(AttentionInterface, PREFIX_BACKEND)
-        compat.unregister(AttentionMaskInterface, PREFIX_BACKEND)
+        upstream.unregister(AttentionInterface, PREFIX_BACKEND)
+        upstream.unregister(AttentionMaskInterface, PREFIX_BACKEND)
         hf_sparse_cp.unpatch()
     summary = {}
     print(f"{'variant':<26} {'answer loss':>11} {'accuracy':>8}")

@@ -576,7 +576,7 @@ def note_short_documents(script: ScriptArguments, trainer: SparseTrainer) -> Non
     sequences that reach it: every layer then runs dense on them, while the start-up line (which knows the sequence
     length, not the documents') says the layers are sparse (#50: `--sparse_max_length 2048 --pack_documents 4` logged
     a kept fraction of 1.0 without a word of why)."""
-    from hf_sparse_cp.integration.backend import model_config_for
+    from hf_sparse_cp.integration.layer_settings import model_config_for
     from hf_sparse_cp.trainer.attach import describe_layers
 
     training = trainer.args

@@ -29,7 +29,7 @@ from hf_sparse_cp.integration.architectures import (
     router_loss_modules,
     rowwise_classes,
 )
-from hf_sparse_cp.integration.compat import GENERATING
+from hf_sparse_cp.integration.trainer_losses import GENERATING
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 _MISSING = object()
@@ -399,7 +399,7 @@ def _launched(rank: int, world: int) -> None:
 
 def context_parallel() -> Iterator:
     from hf_sparse_cp import ContextParallelConfig, disable_trainer_context_parallel, enable_trainer_context_parallel
-    from hf_sparse_cp.integration import compat
+    from hf_sparse_cp.integration import upstream
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _sparse_trainer(tmp, label_smoothing_factor=0.1, neftune_noise_alpha=5.0)
@@ -408,12 +408,12 @@ def context_parallel() -> Iterator:
                  "prediction_step", "gather_function", "label_smoother", "neftune_noise_alpha")
         yield [*((trainer, n) for n in names), (trainer.accelerator, "prepare_data_loader"),
                (trainer.accelerator, "gather_for_metrics")]
-        divides = compat.token_count_divides_by_get_cp_size
-        compat.token_count_divides_by_get_cp_size = lambda: False  # the wrapper of releases before 5.19
+        divides = upstream.token_count_divides_by_get_cp_size
+        upstream.token_count_divides_by_get_cp_size = lambda: False  # the wrapper of releases before 5.19
         try:
             enable_trainer_context_parallel(trainer, ContextParallelConfig(cp_size=2))
         finally:
-            compat.token_count_divides_by_get_cp_size = divides
+            upstream.token_count_divides_by_get_cp_size = divides
         yield
         disable_trainer_context_parallel(trainer)
 

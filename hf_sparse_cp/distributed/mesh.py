@@ -433,7 +433,7 @@ def every_rank_at_exit(store, wait_s: float = EXIT_WAIT_S, poll_s: float = 0.05)
     After training one rank may fail alone (its script's `sys.exit(1)`, which python records nowhere an exit
     handler can read), the others waiting in another collective for it: the barrier then held it until the group's
     timeout (30 minutes by default), where without the plugin its exit ends the job through the launcher at once.
-    `store`: the default group's (`compat.default_store()`). False where it does not answer (its host gone)."""
+    `store`: the default group's (`upstream.default_store()`). False where it does not answer (its host gone)."""
     world = dist.get_world_size()
     if world == 1:
         return True

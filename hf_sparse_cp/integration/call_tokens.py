@@ -22,8 +22,8 @@ from ..attention.tokens import (
     token_meta_from_kwargs,
 )
 from ..config import language_config
-from .compat import register_ordered_effect
 from .composite import tower_refusal
+from .upstream import register_ordered_effect
 
 # What a mask `sparse_cp_mask` refuses holds (`NonCausalMask`): a model's overlay on the causal mask, transformers'
 # bidirectional mask, or a mask that lets a query see the key after it (either).
@@ -274,7 +274,7 @@ _REFUSE_NEXT_KEY = "hf_sparse_cp::refuse_next_key"
 def refuse_next_key(sees: torch.Tensor, model_type: str, base_config_key: str | None) -> None:
     """Raise `NonCausalMask` where `sees` (a mask function's answer, `_sees_next_key`) holds, for a model of
     `model_type` (and tower `base_config_key`, `composite.tower_refusal`). An ordered side effect of a compiled
-    forward's mask build (`compat.register_ordered_effect`: the graph keeps it though it returns nothing), which
+    forward's mask build (`upstream.register_ordered_effect`: the graph keeps it though it returns nothing), which
     before handed the answer to its first attention call on a list: a Python side effect, which the trace of an
     activation-checkpointed layer refuses (that layer then ran outside the graph)."""
     if bool(sees):

@@ -14,18 +14,17 @@ it is undone. Nothing else names these members:
   and the fix;
 * each replacement has an apply / check / undo test (`tests/unit/test_patch_registry.py`,
   `tests/distributed/test_patch_registry_cp.py`).
+
+The calls that use these members live beside it: `upstream.py` (each checks its member with `require` first),
+`trainer_losses.py` (the trainers' losses CP reproduces) and `fsdp_class_names.py` (class-name checks past FSDP2).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import inspect
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Literal
 
 from .architectures import (
@@ -34,8 +33,8 @@ from .architectures import (
     kv_shared_slicers,
     router_loss_modules,
     rowwise_classes,
-    transformers_release,
 )
+from .trainer_losses import GENERATING, WHOLE_ROW_EXPERIMENTAL
 
 # The releases the suite ran on (inclusive): the whole suite on the CPU machine's newest, the unit tier, most of the
 # distributed tier and a part of the integration tier on the GPU image's (transformers 5.17, torch 2.11, Triton 3.6,
@@ -110,11 +109,6 @@ _ACCELERATOR = "accelerate.Accelerator"
 PARSERS = ("transformers.HfArgumentParser", "trl.scripts._hf_argparser.HfArgumentParser")
 _CP_UNDO = "disable_trainer_context_parallel(trainer) / disable_curriculum(trainer) (detach_from_trainer)"
 _LAUNCH_UNDO = "the end of the launched script (`launched`)"
-# TRL's trainers that generate their rows in the step (`trainer/generated_rows.py`), by name: trl.<name>Trainer,
-# trl.<name>Config and their module trl.trainer.<name, lower case>_trainer
-GENERATING = ("GRPO", "RLOO")
-# TRL's experimental trainers whose loss CP reproduces on whole rows: (module, class), read where a script imported them
-WHOLE_ROW_EXPERIMENTAL = (("trl.experimental.orpo", "ORPOTrainer"), ("trl.experimental.cpo", "CPOTrainer"))
 
 PATCHES = (
     # -- the Trainer instance: context parallelism and the curriculum --
@@ -416,7 +410,7 @@ PATCHES = (
     Patch("transformers.modeling_layers.GenericForTokenClassification", "forward", "reads", "under CP a "
           "token-classification head with this forward trains: it scores every token on its own and its loss (a "
           "mean over its shard's labels, the loss keywords dropped) is replaced by the CP group's "
-          "(trainer/context_parallel.py `smooth_labels_over_cp_group`); a class with a forward of its own is refused"),
+          "(trainer/cp_token_loss.py `smooth_labels_over_cp_group`); a class with a forward of its own is refused"),
     Patch("transformers.modeling_layers.GenericForQuestionAnswering", "forward", "reads", "under CP a "
           "question-answering head with this forward trains: a forward hook makes its qa_outputs layer's output the "
           "whole row's, gathered over the CP group, from which it computes its start and end logits and loss "
@@ -504,13 +498,15 @@ def _parameters(fn: Any) -> tuple[str, ...]:
     return tuple(prefix.get(p.kind, "") + p.name for p in inspect.signature(fn).parameters.values())
 
 
-def _release(package: str) -> tuple[int, ...]:
+def release(package: str) -> tuple[int, ...]:
+    """The installed release of `package`, e.g. (2, 11, 0)."""
     from packaging.version import Version
 
     return Version(importlib.import_module(package).__version__).release
 
 
-def _versions(package: str) -> str:
+def versions(package: str) -> str:
+    """The installed release of `package` and the tested range, for a message: 'torch 2.11.0 (tested 2.6 to 2.13)'."""
     low, high = TESTED_VERSIONS.get(package, ("?", "?"))
     version = getattr(importlib.import_module(package), "__version__", "?")
     return f"{package} {version} (tested {low} to {high})"
@@ -537,7 +533,7 @@ def problem(patch: Patch, instance: Any = None) -> str | None:
         return None  # (ours, or an optional package that is not installed: nothing of theirs in use)
     if patch.on_instances and instance is None:
         return None
-    if patch.since and _release(patch.package) < patch.since:
+    if patch.since and release(patch.package) < patch.since:
         return None  # (not yet there: that release's own way needs nothing of it)
     try:
         owner = instance if patch.on_instances else _resolve(patch.owner)
@@ -573,8 +569,13 @@ def check_patches(instances: dict[str, Any] | None = None) -> list[str]:
         why = problem(patch, instances.get(patch.owner))
         if why is not None:
             lines.append(f"{why}; hf-sparse-cp {patch.action} it because {patch.why}. Installed: "
-                         f"{_versions(patch.package)}.")
+                         f"{versions(patch.package)}.")
     return lines
+
+
+def member_name(qualified: str, owner: Any) -> str | None:
+    """The name under which `owner` has the member `qualified` names (or one of its `alternatives`), or None."""
+    return _holds(owner, _BY_NAME[qualified])
 
 
 def require(qualified: str, instance: Any = None) -> None:
@@ -584,7 +585,7 @@ def require(qualified: str, instance: Any = None) -> None:
     why = problem(patch, instance)
     if why is not None:
         raise RuntimeError(
-            f"{why}: hf-sparse-cp {patch.action} it because {patch.why}. Installed: {_versions(patch.package)}. "
+            f"{why}: hf-sparse-cp {patch.action} it because {patch.why}. Installed: {versions(patch.package)}. "
             f"Install a {patch.package} release in the tested range, or an hf-sparse-cp release that supports yours."
         )
 
@@ -616,90 +617,6 @@ def replacement_for(owner: Any, name: str) -> Patch:
                       "hf_sparse_cp.integration.compat.PATCHES: add one (why, undo) and its apply/undo test.")
 
 
-def token_count_divides_by_get_cp_size() -> bool:
-    """Whether the Trainer's `num_items_in_batch` (gathered over every rank) divides by its `get_cp_size()`,
-    as from transformers 5.19 on; before, by accelerate's `ParallelismConfig` sizes only."""
-    return transformers_release() >= (5, 19)
-
-
-def cp_exact_losses() -> tuple[Callable, ...]:
-    """The `compute_loss` methods whose loss CP reproduces to rounding: the Trainer's (the model's mean over label
-    tokens, which the plugin shards with the labels) and TRL SFTTrainer's (that loss, with its token metrics)."""
-    from transformers import Trainer
-
-    trl = sys.modules.get("trl")  # (imported wherever such a trainer exists)
-    return (Trainer.compute_loss,) + ((trl.SFTTrainer.compute_loss,) if trl is not None else ())
-
-
-def cp_whole_row_losses() -> tuple[Callable, ...]:
-    """The `compute_loss` methods built from the outputs of whole rows that CP reproduces to rounding by gathering
-    each forward's outputs over the CP group (`trainer/whole_rows.py`): TRL DPOTrainer's and KTOTrainer's (per-token
-    log-probabilities), RewardTrainer's (a sequence-classification head's score of each row's last token) and, where
-    imported, the experimental ORPOTrainer's and CPOTrainer's (a plain forward's logits)."""
-    trl = sys.modules.get("trl")
-    if trl is None:
-        return ()
-    experimental = tuple(getattr(sys.modules[module], name).compute_loss for module, name in WHOLE_ROW_EXPERIMENTAL
-                         if module in sys.modules)
-    return (trl.DPOTrainer.compute_loss, trl.KTOTrainer.compute_loss, *cp_row_score_losses(),
-            *cp_generated_row_losses(), *experimental)
-
-
-def cp_generated_row_losses() -> tuple[Callable, ...]:
-    """Those of `cp_whole_row_losses` whose rows the trainer generates in the step (TRL GRPOTrainer's and
-    RLOOTrainer's, `GENERATING`: `trainer/generated_rows.py`)."""
-    trl = sys.modules.get("trl")
-    return tuple(getattr(trl, f"{name}Trainer").compute_loss for name in GENERATING) if trl is not None else ()
-
-
-def cp_row_score_losses() -> tuple[Callable, ...]:
-    """Those of `cp_whole_row_losses` built from a sequence-classification head's score of each row (TRL
-    RewardTrainer's); the others are a language model's."""
-    trl = sys.modules.get("trl")
-    return (trl.RewardTrainer.compute_loss,) if trl is not None else ()
-
-
-def unsharded_class(model: Any) -> type:
-    """The class `model` was built as: FSDP2's `fully_shard` replaces a module's class with one it derives from it,
-    named FSDP<name> (FSDPLlamaForCausalLM; Replicate<name> for `replicate`), which upstream checks of the class's
-    name (`smoother_shifts_labels`, `card_tasks`) do not know; a module not sharded keeps its own class."""
-    cls = type(model)
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # (a torch build without distributed: no FSDP2 class to look past)
-        return cls
-    return next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
-
-
-def smoother_shifts_labels(model: Any) -> bool:
-    """Whether the Trainer's compute_loss has its label smoother shift the labels of `model` (the Trainer's model):
-    its class, a PEFT model's base model's, is one of transformers' causal LMs. The Trainer asks by the class's name,
-    which FSDP2's `fully_shard` replaces with its own class FSDP<name>: its check then missed every causal LM, so the
-    smoother scored each position's logits against its own token, not the next (FSDP2 with --label_smoothing_factor:
-    eval_loss 4.17 where one process has 5.59). This reads the name of the class that `fully_shard` derived from."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    base = getattr(model, "get_base_model", None)
-    return unsharded_class(base() if callable(base) else model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-
-
-def card_tasks(model: Any) -> str | None:
-    """The task tag (e.g. 'text-generation') that the Trainer's model card infers from the class of `model` (the
-    Trainer's model) when none is given, or None. The card (`transformers.modelcard.TrainingSummary.from_trainer`)
-    looks the class's name up in `TASK_MAPPING`, which misses a class FSDP2 renamed (FSDPLlamaForCausalLM): the card
-    of a run under FSDP2 had no task, and with it dropped the model-index results (task, dataset, metrics) that one
-    process's card holds. This looks up the name of the class `fully_shard` derived from (the last task that names
-    it, as the card does)."""
-    from transformers.modelcard import TASK_MAPPING
-
-    name, found = unsharded_class(model).__name__, None
-    for task, mapping in TASK_MAPPING.items():
-        names = [n for value in mapping.values() for n in (value if isinstance(value, (list, tuple)) else (value,))]
-        if name in names:
-            found = task
-    return found
-
-
 def argument_parser_classes() -> list[type]:
     """The classes of `PARSERS` that can be imported here (TRL's only where TRL is installed and has its copy)."""
     found = []
@@ -709,156 +626,3 @@ def argument_parser_classes() -> list[type]:
         except (ImportError, AttributeError):
             continue
     return found
-
-
-def unregister(interface: type, name: str) -> None:
-    """Remove `name` from an `AttentionInterface`-style registry (no public unregister exists)."""
-    interface._global_mapping.pop(name, None)
-
-
-def stock_causal_lm_loss():
-    """The loss function transformers' causal-LM models use by default."""
-    from transformers.loss.loss_utils import LOSS_MAPPING
-
-    return LOSS_MAPPING["ForCausalLM"]
-
-
-def can_return_tuple(func):
-    """transformers' decorator that turns a forward's output into a tuple when `return_dict=False`."""
-    from transformers.utils.generic import can_return_tuple as decorator
-
-    return decorator(func)
-
-
-def slice_logits_to_keep(hidden: Any, logits_to_keep: Any) -> Any:
-    """The hidden states a causal LM's `lm_head` gets for `logits_to_keep`, as this release's models slice them:
-    transformers' `slice_logits_to_keep` where it exists (5.24 adds 2D tensors: positions per row, or a boolean mask
-    whose kept positions come out flattened to [N, H]), else the last `n` positions of an int or the positions of a
-    1D tensor."""
-    from transformers import modeling_utils
-
-    stock = getattr(modeling_utils, "slice_logits_to_keep", None)
-    if stock is not None:
-        return stock(hidden, logits_to_keep)
-    return hidden[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep, :]
-
-
-def cache_field() -> str:
-    """The name of the KV-cache field of transformers' causal-LM outputs in this release."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    require("transformers.modeling_outputs.CausalLMOutputWithPast.cache")
-    return _holds(CausalLMOutputWithPast, _BY_NAME["transformers.modeling_outputs.CausalLMOutputWithPast.cache"])
-
-
-def checkpointing_method(action: Literal["enable", "disable"] = "enable") -> str:
-    """The model method that turns activation checkpointing on or off in this release: transformers 5.23 renamed
-    `gradient_checkpointing_*` to `activation_checkpointing_*` (the old names stay as deprecated aliases)."""
-    from transformers import PreTrainedModel
-
-    name = f"activation_checkpointing_{action}"
-    return name if hasattr(PreTrainedModel, name) else f"gradient_checkpointing_{action}"
-
-
-def convolution_class() -> type:
-    """torch's base class of every convolution module (private: `torch.nn.modules.conv._ConvNd`)."""
-    require("torch.nn.modules.conv._ConvNd")
-    from torch.nn.modules.conv import _ConvNd
-
-    return _ConvNd
-
-
-def unbacked_size(ctx: Any) -> Any:
-    """A new unbacked size (a SymInt >= 0) in the shape environment of a custom op's fake implementation `ctx`
-    (`torch.library.get_ctx()`), whether or not dynamo's capture_dynamic_output_shape_ops is set (torch's
-    `ctx.new_dynamic_size` requires it; private `allocate_size`). Without a shape environment (a plain fake tensor
-    mode), torch's own refusal."""
-    require("torch._library.fake_impl.allocate_size")
-    require("torch._library.fake_impl.FakeImplCtx._shape_env", ctx)
-    from torch._library.fake_impl import allocate_size
-
-    return ctx.new_dynamic_size() if ctx._shape_env is None else allocate_size(ctx._shape_env)
-
-
-def register_ordered_effect(op: str) -> bool:
-    """Make the custom op named `op` ('namespace::name', which returns nothing) an ordered side effect: the graphs
-    torch.compile builds keep it in its place, where they would drop a pure op whose output no one reads (torch's
-    private `_register_effectful_op`; no public way). Returns whether it did: a torch before `ORDERED_EFFECTS_SINCE`
-    has no such registry, and the caller then keeps what the op does outside the graphs."""
-    if _release("torch") < ORDERED_EFFECTS_SINCE:
-        return False
-    require("torch.library._register_effectful_op")
-    require("torch._library.effects.EffectType")
-    from torch._library.effects import EffectType
-    from torch.library import _register_effectful_op
-
-    _register_effectful_op(op, EffectType.ORDERED)
-    return True
-
-
-def set_process_group_timeout(timeout: timedelta) -> None:
-    """Make `timeout` the default process group's (torch's private `_set_pg_timeout`; no public setter)."""
-    require("torch.distributed.distributed_c10d._set_pg_timeout")
-    from torch.distributed.distributed_c10d import _set_pg_timeout
-
-    _set_pg_timeout(timeout)
-
-
-def default_store() -> Any:
-    """The default process group's store (torch's private `_get_default_store`; no public getter)."""
-    require("torch.distributed.distributed_c10d._get_default_store")
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return _get_default_store()
-
-
-def attn_implementation(config: Any) -> str | None:
-    """The attention implementation a transformers model config selects."""
-    return getattr(config, "_attn_implementation", None)
-
-
-def track_data_loader(accelerator: Any, data_loader: Any) -> None:
-    """Register a data loader we prepared ourselves with `accelerator`, which saves and restores the
-    state of the data loaders it tracks with checkpoints."""
-    require("accelerate.Accelerator._dataloaders", accelerator)
-    accelerator._dataloaders.append(data_loader)
-
-
-def seed_workers_by(worker_init_fn: Any, rank: int) -> Any:
-    """The Trainer's `worker_init_fn` (`partial(transformers.trainer_utils.seed_worker, ..., rank=...)`) seeding the
-    workers as process `rank` would; any other function (or None) as given."""
-    from transformers.trainer_utils import seed_worker
-
-    if isinstance(worker_init_fn, functools.partial) and worker_init_fn.func is seed_worker \
-            and "rank" in worker_init_fn.keywords:
-        return functools.partial(seed_worker, *worker_init_fn.args, **{**worker_init_fn.keywords, "rank": rank})
-    return worker_init_fn
-
-
-# `accelerate.data_loader.prepare_data_loader` arguments a DP-only data loader sets itself; every other one
-# is read from the accelerator (as its own `prepare_data_loader` passes them) or its `dataloader_config`.
-_DP_LOADER_OWN = ("dataloader", "device", "num_processes", "process_index", "put_on_device", "slice_fn_for_dispatch",
-                  "torch_device_mesh", "rng_types")
-
-
-def dp_data_loader_options(accelerator: Any) -> dict[str, Any]:
-    """The settings `accelerator.prepare_data_loader` passes to `accelerate.data_loader.prepare_data_loader`,
-    read by the function's own parameter names (so an option a new accelerate adds is passed on too).
-    Raises RuntimeError, naming it, for a parameter the accelerator does not hold under that name."""
-    from accelerate.data_loader import prepare_data_loader
-
-    options, config = {}, getattr(accelerator, "dataloader_config", None)
-    for name in inspect.signature(prepare_data_loader).parameters:
-        if name in _DP_LOADER_OWN:
-            continue
-        if hasattr(accelerator, name):
-            options[name] = getattr(accelerator, name)
-        elif config is not None and hasattr(config, name):
-            options[name] = getattr(config, name)
-        else:
-            raise RuntimeError(
-                f"accelerate.data_loader.prepare_data_loader takes {name!r}, which hf-sparse-cp finds neither on the "
-                f"Accelerator nor on its dataloader_config. Installed: {_versions('accelerate')}. Install an "
-                "accelerate release in the tested range, or an hf-sparse-cp release that supports yours.")
-    options["rng_types"] = list(accelerator.rng_types)
-    return options

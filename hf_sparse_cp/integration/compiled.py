@@ -55,23 +55,23 @@ from ..backends import choose_backend
 from ..config import SparseAttentionConfig
 from ..distributed.shard import CP_SHARD_KWARG
 from .call_tokens import _BIDIRECTIONAL, every_key_call
-from .compat import register_ordered_effect, unbacked_size
 from .stats import record_kept_fraction
+from .upstream import register_ordered_effect, unbacked_size
 
 TRACED_ENV = "HF_SPARSE_CP_TRACED_ATTENTION"
 # 'auto': a call the ops take goes through them where the torch traces them (`OPS_MIN_TORCH`); 'ops': on any torch (to
 # try one before it); 'outside': outside the graph (a graph break per call).
 TRACED_SETTINGS = ("auto", "ops", "outside")
 # The oldest torch release whose dynamo was checked to trace the ops (tests/unit/test_torch_compile.py on 2.11, the GPU
-# image's, and 2.13). The trace reads each layer's settings parsed beforehand (`backend.parsed_layer`): 2.11's dynamo
-# refused the module argument of the `assume_constant_result` function that parsed them while tracing.
+# image's, and 2.13). The trace reads each layer's settings parsed beforehand (`layer_settings.parsed_layer`): 2.11's
+# dynamo refused the module argument of the `assume_constant_result` function that parsed them while tracing.
 OPS_MIN_TORCH = (2, 11)
 TORCH_TRACES_THE_OPS = Version(torch.__version__).release >= OPS_MIN_TORCH
 
 
 def settings_key(cfg: SparseAttentionConfig) -> str:
     """The layer settings as the plan op takes them (JSON), computed where the layer's config is parsed, outside any
-    trace (`backend.parsed_layer`)."""
+    trace (`layer_settings.parsed_layer`)."""
     return json.dumps(cfg.to_dict(), sort_keys=True)
 
 
@@ -81,7 +81,7 @@ _LAYERS: dict[str, weakref.ref] = {}
 
 def layer_key(module: torch.nn.Module) -> str:
     """The key under which the plan op finds `module` to record its kept fraction, computed where the layer's config
-    is parsed, outside any trace (`backend.parsed_layer`)."""
+    is parsed, outside any trace (`layer_settings.parsed_layer`)."""
     key = f"{type(module).__name__}@{id(module):x}"
     _LAYERS[key] = weakref.ref(module, lambda _: _LAYERS.pop(key, None))
     return key
@@ -154,7 +154,7 @@ def dense_call(q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor | No
     `dense_sdpa` sends there, at run time: with `check`, choose its backend as eagerly (`dense.dense_backend` on the
     tokens of its keyword arguments: $HF_SPARSE_CP_DENSE_BACKEND=sdpa refuses packed rows, as it does eagerly);
     then record the kept fraction of a dense call (1) on the module `layer` names, as `sequence_plan` does. An ordered
-    side effect (`compat.register_ordered_effect`: the graph keeps it though it returns nothing)."""
+    side effect (`upstream.register_ordered_effect`: the graph keeps it though it returns nothing)."""
     b, _, s, _ = q.shape
     if check:
         kwargs = _token_kwargs(position_ids, cu_seq_lens_q, cu_seq_lens_k)
@@ -214,8 +214,8 @@ def traced_call(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> bool:
     a call it refuses goes outside the graph, as every call did, without guards on its layer): not set 'outside'
     (`TRACED_ENV`), a torch that traces them (`OPS_MIN_TORCH`, unless set 'ops'), one process (no CP shard), as
     many keys as queries (no KV cache), no bidirectional mask built (`call_tokens.is_bidirectional_mask`), position ids
-    of at most two dimensions. (A window or chunk that only the mask carries, `backend.masked_locality`, is the caller's
-    to check.)"""
+    of at most two dimensions. (A window or chunk that only the mask carries, `call_refusals.masked_locality`, is the
+    caller's to check.)"""
     positions = kwargs.get("position_ids")
     setting = traced_setting()
     return ((setting == "ops" or (setting == "auto" and TORCH_TRACES_THE_OPS))
@@ -227,7 +227,7 @@ def traced_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      attention_mask, parsed: tuple, scale: float, sliding_window: int | None, kwargs: dict
                      ) -> torch.Tensor:
     """The output [B, S, Hq, D] of a call of `module` that `traced_call` takes, through the two ops. `parsed`: the
-    layer's config, settings key and layer key, parsed outside the trace (`backend.parsed_layer`)."""
+    layer's config, settings key and layer key, parsed outside the trace (`layer_settings.parsed_layer`)."""
     _, cfg, settings, layer, _ = parsed
     sdpa = dense_sdpa(query, key, attention_mask, cfg, sliding_window, kwargs)
     if sdpa is not None:

@@ -3,7 +3,7 @@
 Under CP each rank's forward holds its shard of every row. A language-model head and a token-classification head
 (transformers' `GenericForTokenClassification`: Llama, Qwen2, Mistral, ...) score every token on its own: the rank's
 logits are its shard's, and the loss of them is the CP group's where the Trainer computes it
-(trainer/context_parallel.py).
+(trainer/cp_token_loss.py).
 A sequence-classification head (`GenericForSequenceClassification`) scores every token and pools one per row, the last
 that is not padding, which lies on one rank of the group under any split. `pool_over_cp_group` hooks its score layer:
 in a CP forward the layer's output becomes, at every position, the row's pooled logits, taken on the rank holding the
@@ -15,7 +15,7 @@ scores every token with a start and an end logit, and its loss is a softmax of t
 `pool_over_cp_group` makes its layer's output the whole sequence's ([B, S, 2], gathered over the CP group,
 `CPShard.whole_sequence`, differentiable), so that every rank holds one process's start and end logits and loss.
 Either head's outputs and loss are then the batch's on every rank (`BATCH_OUTPUT_HEADS`: the Trainer takes the rank's
-share of the loss, trainer/context_parallel.py).
+share of the loss, trainer/cp_steps.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from transformers.modeling_layers import (
     GenericForTokenClassification,
 )
 
-from .backend import cp_forward_shard
+from .call_context import cp_forward_shard
 
 LANGUAGE_MODEL, TOKEN_CLASSIFICATION = "language model", "token classification"
 SEQUENCE_CLASSIFICATION, QUESTION_ANSWERING = "sequence classification", "question answering"

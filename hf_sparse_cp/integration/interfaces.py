@@ -18,7 +18,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..config import BACKEND_NAME
-from . import compat
+from . import upstream
 from .backend import is_registered, sparse_cp_attention_forward
 from .call_tokens import sparse_cp_mask
 from .patching import PatchSet
@@ -36,7 +36,7 @@ def _register(patches: PatchSet, interface: type, fn) -> None:
         if previous is not None:
             interface.register(BACKEND_NAME, previous)
         else:
-            compat.unregister(interface, BACKEND_NAME)
+            upstream.unregister(interface, BACKEND_NAME)
 
     interface.register(BACKEND_NAME, fn)
     patches.on_undo(restore)

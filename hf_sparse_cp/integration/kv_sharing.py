@@ -14,7 +14,7 @@ import inspect
 import torch
 
 from ..config import BACKEND_NAME
-from . import compat
+from . import upstream
 from .architectures import KV_SHARED_SLICER, kv_shared_slicers
 from .patching import attached_patches, record_on, undo_recorded
 
@@ -42,7 +42,7 @@ def _unsliced(module: torch.nn.Module, *args, **kwargs):
     """The model's own `KV_SHARED_SLICER`, or under sparse_cp its sequence inputs unchanged (the arguments before
     `logits_to_keep`), as transformers returns them for flash attention."""
     method = getattr(type(module), KV_SHARED_SLICER)
-    if compat.attn_implementation(module.config) != BACKEND_NAME:
+    if upstream.attn_implementation(module.config) != BACKEND_NAME:
         return method(module, *args, **kwargs)
     bound = inspect.signature(method).bind(module, *args, **kwargs).arguments
     names = list(bound)

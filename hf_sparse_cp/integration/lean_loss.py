@@ -33,7 +33,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..config import MODEL_CONFIG_ATTRIBUTE
 from ..loss import linear_cross_entropy
-from . import compat
+from . import upstream
 from .architectures import lean_loss_classes
 from .patching import PatchSet
 
@@ -68,7 +68,7 @@ def _takes_lean_path(model, labels, shift_labels) -> bool:
         getattr(model.config, MODEL_CONFIG_ATTRIBUTE, None) is not None
         and model.training
         and (labels is not None or shift_labels is not None)
-        and model.loss_function is compat.stock_causal_lm_loss()
+        and model.loss_function is upstream.stock_causal_lm_loss()
         and getattr(model.config, "final_logit_softcapping", None) is None
         # A PEFT-wrapped head (LoRA, modules_to_save) is not an nn.Linear: its weight alone is not the head.
         and isinstance(lm_head, torch.nn.Linear)
@@ -98,16 +98,16 @@ def _head_loss(lm_head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Ten
 
 # transformers 5.24 renamed the KV cache `past_key_values` -> `cache` (arguments and output fields; the old
 # name warns, and goes in 5.40). The lean path passes the caller's arguments on under the names given and
-# returns the base model's cache under the name this release's outputs use (`compat.cache_field`).
-_CACHE_FIELD = compat.cache_field()
+# returns the base model's cache under the name this release's outputs use (`upstream.cache_field`).
+_CACHE_FIELD = upstream.cache_field()
 
 
-@compat.can_return_tuple
+@upstream.can_return_tuple
 def _forward_with_lean_loss(model, *, labels=None, logits_to_keep=0, shift_labels=None, num_items_in_batch=None,
                             ignore_index=-100, **base_inputs) -> CausalLMOutputWithPast:
     outputs = model.model(**base_inputs)
     hidden = outputs.last_hidden_state
-    hidden = compat.slice_logits_to_keep(hidden, logits_to_keep)
+    hidden = upstream.slice_logits_to_keep(hidden, logits_to_keep)
     if shift_labels is None:
         # Position i predicts token i + 1; the last position has no target.
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]

@@ -18,7 +18,7 @@ from ..config.model_fields import decoder_layers
 from ..memory.offload import HostOffload
 from ..memory.savers import MemorySavers
 from ..memory.tiling import tiled_rows
-from . import compat
+from . import upstream
 from .architectures import tileable_classes
 from .patching import record_on, undo_recorded
 
@@ -99,7 +99,7 @@ class _OffloadingForward(ReplacedForward):
         if not layer.gradient_checkpointing:
             raise ValueError("--sparse_offload_layer_inputs keeps the inputs that gradient checkpointing saves; turn "
                              "gradient checkpointing on (--gradient_checkpointing, or "
-                             f"model.{compat.checkpointing_method()}()).")
+                             f"model.{upstream.checkpointing_method()}()).")
         with self.offload:
             return self.replaced(*args, **kwargs)
 

@@ -43,7 +43,7 @@ import torch
 
 from ..config import BACKEND_NAME, language_config
 from ..distributed.shard import CP_SHARD_KWARG
-from . import compat
+from . import upstream
 from .architectures import (
     ATTENTION_LAYER_TYPES,
     CP_TESTED_VISION_LANGUAGE_TYPES,
@@ -53,19 +53,17 @@ from .architectures import (
     later_routing_release,
     transformers_release,
 )
-from .backend import (
+from .backend import is_registered
+from .call_context import AttentionProbe, ProbedCall, probing
+from .call_refusals import (
     MODULE_DROPOUTS,
-    AttentionProbe,
-    ProbedCall,
     config_dropout,
     dropout_fix,
     dropout_probability,
     is_cross_attention,
-    is_registered,
     locality_refusal,
     mask_only_window,
     masked_locality,
-    probing,
 )
 from .call_tokens import NonCausalMask, RefusedAtMask, UnroutedMask, computes_own_attention
 from .composite import backend_selection, in_tower, switched_to, tower_names
@@ -100,7 +98,7 @@ def token_mixers(model: torch.nn.Module) -> list[str]:
     text = language_config(model.config)
     found = [f"layer type '{t}'" for t in sorted(set(getattr(text, "layer_types", None) or ()))
              if t not in ATTENTION_LAYER_TYPES + PER_TOKEN_LAYER_TYPES]
-    convolution = compat.convolution_class()
+    convolution = upstream.convolution_class()
     towers = tower_names(model)
     return found + [f"{type(module).__name__} of kernel {tuple(module.kernel_size)} ({name})"
                     for name, module in model.named_modules()
@@ -245,7 +243,7 @@ def _check_architecture(model: torch.nn.Module, fix: str) -> None:
         try:
             try:
                 shadow = _architecture(model)
-                impl, calls = compat.attn_implementation(shadow.config), _probe(shadow, "meta", with_shard=False)
+                impl, calls = upstream.attn_implementation(shadow.config), _probe(shadow, "meta", with_shard=False)
             except (NonCausalMask, RefusedAtMask):
                 raise
             except Exception:
@@ -262,7 +260,7 @@ def _probe_switched(model: torch.nn.Module) -> tuple[str | None, list[tuple[str,
     """(the implementation it switched to, `_probe`) of `model` itself switched to the backend for one forward on
     its device, its implementations restored after."""
     with switched_to(model, BACKEND_NAME):
-        return compat.attn_implementation(model.config), _probe(model, next(model.parameters()).device, False)
+        return upstream.attn_implementation(model.config), _probe(model, next(model.parameters()).device, False)
 
 
 def _refuse_without_attention(model: torch.nn.Module, impl: str | None, fix: str) -> None:
@@ -347,7 +345,7 @@ def check_attention_routed(model: torch.nn.Module, context_parallel: bool = Fals
     layers with no mask of its own (e.g. doge's 4D mask). Called after `configure` and `enable_sparse_attention`
     switch the model; with `context_parallel` (a switch for CP training) a fix that needs dense attention drops CP
     too."""
-    impl = compat.attn_implementation(model.config)
+    impl = upstream.attn_implementation(model.config)
     _refuse_without_attention(model, impl, _DENSE_NO_CP_FIX if context_parallel else _DENSE_FIX)
     # (a probe forward that fails is refused: training would fail the same way at its first forward)
     calls = _attention_calls(model, context_parallel=context_parallel) if impl == BACKEND_NAME else None
@@ -378,7 +376,7 @@ def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
         shadow = _architecture(model)
         calls = _probe(shadow, "meta", with_shard=False)
     except Exception:  # (e.g. grouped expert matmuls do not run on meta) the model itself, where it uses the backend
-        if compat.attn_implementation(model.config) != BACKEND_NAME:
+        if upstream.attn_implementation(model.config) != BACKEND_NAME:
             return []
         try:
             shadow, calls = base, _probe(base, next(base.parameters()).device, with_shard=False)
@@ -395,7 +393,7 @@ def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
 
 def check_mask_only_locality(model: torch.nn.Module, max_length: int, packed_documents: bool = False) -> None:
     """Raise ValueError, naming the fix, when training sequences of `max_length` tokens are longer than a sliding
-    window or attention chunk that `model` puts into its attention mask only (`backend.masked_locality`: PhiMoE's
+    window or attention chunk that `model` puts into its attention mask only (`call_refusals.masked_locality`: PhiMoE's
     window, Llama 4's chunked layers), which the backend would refuse at the first step. With `packed_documents`
     (rows that pack several documents) the documents may each fit, and the backend checks every call."""
     config = model.config
@@ -431,7 +429,7 @@ def _attention_layer_dropout(model: torch.nn.Module) -> str | None:
 def check_model_supports_sparse_attention(model: torch.nn.Module, *, training: bool = True,
                                          context_parallel: bool = False) -> None:
     """Raise ValueError, naming the cause and the fix, when the `sparse_cp` backend would refuse `model`'s
-    attention at its first call (see `backend._refuse_unsupported`): checked from the model before
+    attention at its first call (see `call_refusals.refuse_unsupported`): checked from the model before
     training, not after everything is built. Attention dropout is refused only with `training` (a model in eval
     mode passes dropout 0). What no setting of the model fixes (encoder-decoder, bidirectional attention) is refused
     first; with `context_parallel` (the CP check) the fixes drop CP too, whose ring needs the sparse backend."""
@@ -446,7 +444,7 @@ def check_model_supports_sparse_attention(model: torch.nn.Module, *, training: b
                          f"{stock}")
     towers = tower_names(model)  # (they keep their own attention: `composite`)
     # (a decoder's cross-attention runs only on encoder states, which a decoder-only forward has none of: the backend
-    # refuses its call, `backend.unsupported_feature`)
+    # refuses its call, `call_refusals.unsupported_feature`)
     bidirectional = [n for n, m in model.named_modules()
                      if getattr(m, "is_causal", True) is False and not in_tower(n, towers)
                      and not is_cross_attention(m, n)]
@@ -522,7 +520,7 @@ def check_model_supports_context_parallel(
     name = type(model).__name__
     if config is None:
         raise ValueError(f"{name} has no transformers config; context parallelism needs a transformers model.")
-    impl = compat.attn_implementation(config)
+    impl = upstream.attn_implementation(config)
     if backend is None:
         backend = BACKEND_NAME
     if backend != BACKEND_NAME:  # (it said "must go through 'None'"; 'sdpa' on an sdpa model was called unrouted)

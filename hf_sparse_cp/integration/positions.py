@@ -15,7 +15,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..distributed.shard import CPShard
-from .backend import cp_forward_shard, guard_context_parallel
+from .call_context import cp_forward_shard, guard_context_parallel
 
 # Marks a table whose pre-hook is in place (`hook_length_counted_tables`), read by the CP model check.
 _HOOKED = "_hf_sparse_cp_counted_positions"
@@ -44,7 +44,7 @@ def unhooked_length_counted_tables(model: torch.nn.Module) -> list[str]:
 
 def hook_length_counted_tables(model: torch.nn.Module) -> list[RemovableHandle]:
     """Hook every `length_counted_tables` entry of `model` (and guard its owner, whose forward gets the CP shard, so
-    that the hook finds it: `backend.cp_forward_shard`). Returns the handles; removing them does not clear the mark
+    that the hook finds it: `call_context.cp_forward_shard`). Returns the handles; removing them does not clear the mark
     the CP check reads, `unhook` does."""
     handles, owners = [], set()
     for _, table, owner in length_counted_tables(model):

@@ -11,12 +11,14 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig, language_config, pattern_holders
-from . import compat
-from .backend import is_registered, parse_layer_configs, pass_positions_on
+from . import upstream
+from .backend import is_registered
 from .composite import backend_selection, implementations, switched_to
+from .forward_positions import pass_positions_on
 from .given import require_model
 from .interfaces import registered_for_a_check
 from .kv_sharing import slice_kv_sharing, unslice_kv_sharing
+from .layer_settings import parse_layer_configs
 from .models import (
     ProbeFailed,
     check_attention_routed,
@@ -68,7 +70,7 @@ def configure(model: torch.nn.Module, config: SparseAttentionConfig | None = Non
 def store_pattern(model: torch.nn.Module, value: dict | None, patches: PatchSet | None = None) -> None:
     """Put the pattern's settings `value` (`SparseAttentionConfig.to_dict()`, or None) on every config the model's
     attention layers read (`pattern_holders`), each change recorded in `patches` when given; the layers' configs are
-    parsed now, outside any trace (`backend.parse_layer_configs`: a compiled model traces them without a graph
+    parsed now, outside any trace (`layer_settings.parse_layer_configs`: a compiled model traces them without a graph
     break)."""
     for holder in pattern_holders(model.config):
         if patches is None:
@@ -137,11 +139,11 @@ def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:
     `unpatch()`) raise an error that names the fix, instead of transformers' KeyError from inside a
     layer: a forward pre-hook, added once per model, that does nothing while the backend is registered
     or the model uses another implementation. With it, a pre-hook on its decoder passes the decoder's `position_ids`
-    on to the attention calls (`backend.pass_positions_on`), and one on each position table fed positions counted
-    from the input's length gives it the row's positions under CP (`positions.hook_length_counted_tables`), and a
-    model that slices its KV-shared layers' inputs as 4D-masked ones hands them on whole (`kv_sharing`). The hooks
-    are module-level functions, so they go with copies of the model (pickle, `copy.deepcopy`). Returns the call that
-    removes them, or None when the model already has them."""
+    on to the attention calls (`forward_positions.pass_positions_on`), and one on each position table fed positions
+    counted from the input's length gives it the row's positions under CP (`positions.hook_length_counted_tables`), and
+    a model that slices its KV-shared layers' inputs as 4D-masked ones hands them on whole (`kv_sharing`). The hooks are
+    module-level functions, so they go with copies of the model (pickle, `copy.deepcopy`). Returns the call that removes
+    them, or None when the model already has them."""
     if model.__dict__.get(_GUARD):
         return None
     handles = [model.register_forward_pre_hook(_check_registration, with_kwargs=True)]
@@ -179,7 +181,7 @@ def _has_head(module: torch.nn.Module) -> bool:
 
 
 def _check_registration(module: torch.nn.Module, args, kwargs) -> None:
-    if compat.attn_implementation(module.config) == BACKEND_NAME and not is_registered():
+    if upstream.attn_implementation(module.config) == BACKEND_NAME and not is_registered():
         raise RuntimeError(
             f"{type(module).__name__} uses attn_implementation='sparse_cp', which is not registered with "
             "transformers in this process (hf_sparse_cp.unpatch() removed it, or hf_sparse_cp.patch() was not called "

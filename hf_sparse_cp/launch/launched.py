@@ -40,7 +40,7 @@ from transformers import Trainer, TrainingArguments
 
 from ..config import BACKEND_NAME
 from ..config.files import did_you_mean
-from ..integration import compat
+from ..integration import compat, upstream
 from ..integration.interfaces import is_patched, patch, unpatch
 from ..integration.patching import PatchSet, record_on
 from ..trainer.arguments import explicit_fields, flag_errors, is_flag_error
@@ -283,7 +283,7 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
         self._init_with_plugin(functools.partial(trainer_init, self), model, args, *rest, **kwargs)
         flag, asked = run.attention_asked or (None, BACKEND_NAME)
         if (asked != BACKEND_NAME and "sparse_attention" not in (args.explicit_flags or ())
-                and compat.attn_implementation(self.model.config) == BACKEND_NAME and self.is_world_process_zero()):
+                and upstream.attn_implementation(self.model.config) == BACKEND_NAME and self.is_world_process_zero()):
             logger.warning(attention_replaced(flag, asked, args))
 
     def step_outside_a_trainer(optimizer, args, kwargs) -> None:

@@ -75,10 +75,10 @@ def first_to_report(message: str) -> bool:
     if dist.is_available() and dist.is_initialized():
         if dist.get_world_size() == 1:
             return True
-        from ..integration import compat
+        from ..integration import upstream
 
         try:
-            return counted_first(compat.default_store(), message)
+            return counted_first(upstream.default_store(), message)
         except RuntimeError:  # (the store's host gone: torch raises DistError, a RuntimeError)
             return True
     folder = os.environ.get(REPORTS_ENV)

@@ -27,33 +27,29 @@ import importlib.metadata
 import inspect
 import json
 import logging
-import os
 import re
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import yaml
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
 from transformers import DataCollatorWithFlattening, Trainer
 
 from ..backends import PLOT_EXTRA
-from ..checkpoint_marker import newest_complete_checkpoint
 from ..config import BACKEND_NAME, SparseAttentionConfig, language_config
 from ..distributed import ParallelDims
-from ..integration import compat
+from ..integration import fsdp_class_names, upstream
 from ..integration.given import require_trainer
 from ..integration.stats import PEAK_MEMORY, TOKENS_PER_SECOND
 from ..smet import SMETConfig, unwrap_smet
 from ..smet.factory import SMETOptimizerFactory
+from .card_metadata import FROM_SCRATCH, GENERATOR, hub_metadata, is_hub_id, split_front_matter
+from .card_quick_start import peft_model_of, quick_start
 from .kept_fraction_figure import kept_fraction_figure, mean_kept_fraction_per_layer
 
 logger = logging.getLogger(__name__)
 
-TAGS = ("hf-sparse-cp", "long-context", "sparse-attention")
 KEPT_FRACTION_PLOT = "sparse_kept_fraction.png"
 SECTION_TITLE = "## Sparse long-context training"
 FRAMEWORK_VERSIONS = "### Framework versions"
@@ -62,17 +58,6 @@ _FRAMEWORK_VERSIONS = re.compile(rf"^({re.escape(FRAMEWORK_VERSIONS)}\n\n)((?:- 
 # How the stock card (and TRL's) name the packages.
 _VERSION_NAMES = {"transformers": "Transformers", "torch": "Pytorch", "accelerate": "Accelerate", "trl": "TRL",
                   "peft": "PEFT"}
-# Arguments of `create_model_card` (the stock one's, TRL's, the plugin's) that name the training data.
-_DATASET_KEYS = ("datasets", "dataset_tags", "dataset_name", "dataset")
-# What `datasets` records as the builder of `from_generator`'s data (run_clm.py --streaming splits a text file into
-# two of them): no dataset's name. The stock card names it a Hub dataset, as it leaves out csv, json, text, ...
-_GENERATOR = "generator"
-# Files of a saved tokenizer (`save_pretrained` writes the config; fast tokenizers also tokenizer.json).
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
-# PEFT's tag naming an adapter's base model (written with an empty name for a base model built from a config).
-_ADAPTER_TAG = "base_model:adapter:"
-# Model sources that are files, never Hub ids.
-_FILE_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt")
 
 # Lines of the stock card's hyperparameter list that this module rewrites.
 _TOTAL_BATCH = re.compile(r"^- total_train_batch_size: .*$", re.MULTILINE)
@@ -81,23 +66,15 @@ _OPTIMIZER = re.compile(r"^- optimizer: .*$", re.MULTILINE)
 _DISTRIBUTED_TYPE = re.compile(r"^- distributed_type: multi-GPU$", re.MULTILINE)
 # Sentences of the stock card that are wrong for a model built from a config (its `_name_or_path` is "": an
 # empty base-model link) and for an in-memory dataset (no builder name: "the None dataset"; a generator's).
-_FROM_SCRATCH = "This model was trained from scratch on"
-_STOCK_FIXES = (("This model is a fine-tuned version of [](https://huggingface.co/) on", _FROM_SCRATCH),
+_STOCK_FIXES = (("This model is a fine-tuned version of [](https://huggingface.co/) on", FROM_SCRATCH),
                 (" on the None dataset.", " on an unknown dataset."),
-                (f" on the {_GENERATOR} dataset.", " on an unknown dataset."))
-# TRL's card, for a run without a Hub base model or Hub id: its base-model link, title and quick start name None
-# (the quick start, a `pipeline(model="None")`, is dropped: the plugin's section has one that names the model).
-_TRL_NONE_LINK = "[None](https://huggingface.co/None)"
-_TRL_NONE_TITLE = re.compile(r"^# Model Card for None$", re.MULTILINE)
-_OWN_QUICK_START = re.compile(r"^## Quick start\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
+                (f" on the {GENERATOR} dataset.", " on an unknown dataset."))
 # The stock card's results (its table of evaluations, empty without one), up to its next heading: the plugin's section
 # states them (the losses per step, every evaluation's metrics) under the one heading of this name.
 RESULTS_TITLE = "### Training results"
 _STOCK_RESULTS = re.compile(rf"^{re.escape(RESULTS_TITLE)}\n.*?(?=^#{{1,3}} |\Z)", re.MULTILINE | re.DOTALL)
 # Keys of an evaluation's log that are no metric of the model (the stock card leaves them out of its table too).
 _EVAL_TIMINGS = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "total_flos")
-# TRL writes `licence: license` (a misspelt key holding a placeholder) into every card's metadata.
-_TRL_LICENCE = "licence"
 
 
 def smet_config_of(trainer: Trainer) -> SMETConfig | None:
@@ -163,7 +140,7 @@ def _sparse_config(trainer: Trainer) -> SparseAttentionConfig | None:
     `sparse_attention`) whatever this run attends with: a dense run of it (--sparse_attention false, sdpa) had a card
     saying it trained with that pattern."""
     config = getattr(trainer.model, "config", None)
-    if config is None or compat.attn_implementation(language_config(config)) != BACKEND_NAME:
+    if config is None or upstream.attn_implementation(language_config(config)) != BACKEND_NAME:
         return None
     return SparseAttentionConfig.stored_on(config)
 
@@ -237,18 +214,6 @@ def _smet_settings(config: SMETConfig) -> dict[str, Any]:
     return config.to_dict() | {"regrowth": config.regrowth_rule}
 
 
-def is_hub_id(name: Any) -> bool:
-    """Whether `name` can be a Hugging Face Hub repository id (`Qwen/Qwen2.5-0.5B`, `gpt2`) and is not a path on
-    this machine: what the card's `base_model` and `datasets` metadata may hold."""
-    if not isinstance(name, str) or not name or os.path.exists(name) or name.endswith(_FILE_SUFFIXES):
-        return False
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
-
-
 def _base_model(trainer: Trainer, given: str | None) -> str:
     name = given or getattr(getattr(trainer.model, "config", None), "_name_or_path", "") or ""
     if not name:
@@ -262,7 +227,7 @@ def _training_data(trainer: Trainer, dataset_tags: Any) -> str | None:
     data = trainer.train_dataset
     info = getattr(data, "info", None)
     name = dataset_tags or getattr(info, "dataset_name", None) or getattr(info, "builder_name", None)
-    name = None if name == _GENERATOR else name
+    name = None if name == GENERATOR else name
     if isinstance(name, list | tuple):
         name = ", ".join(map(str, name))
     try:
@@ -296,7 +261,7 @@ def _versions(trainer: Trainer) -> dict[str, str]:
     names = ["hf-sparse-cp", "transformers", "accelerate", "torch"]
     if any(cls.__module__.startswith("trl.") for cls in type(trainer).__mro__):
         names.append("trl")
-    if _peft_model(trainer) is not None:
+    if peft_model_of(trainer) is not None:
         names.append("peft")
     return {name: importlib.metadata.version(name) for name in names}
 
@@ -338,156 +303,6 @@ def _metric(value: Any) -> str:
     if isinstance(value, float):
         return f"{int(value):,}" if value.is_integer() else f"{value:.4f}"
     return str(value)
-
-
-def _model_name(trainer: Trainer) -> str:
-    """Where the saved model is loaded from: the Hub repo the Trainer pushes to (`trainer.hub_model_id`, the repo's
-    whole id, set once it has created it: `<user>/<output folder's name>` without --hub_model_id), else the output
-    folder (also with a --hub_model_id never pushed to)."""
-    return getattr(trainer, "hub_model_id", None) or trainer.args.output_dir
-
-
-# Files that mark a model saved in a folder: a whole model's config, a PEFT adapter's.
-SAVED_MODEL_FILES = ("config.json", "adapter_config.json")
-
-
-def _load_from(trainer: Trainer, output_dir: Path) -> tuple[str, list[str]]:
-    """Where the quick start loads the model from (`_model_name`), and a note where the output folder holds no saved
-    model (#50: `hf-sparse-cp train` without --save_final_model wrote a card whose quick start loaded a folder holding
-    none): its last complete checkpoint where there is one, else the folder, saying that nothing is saved there yet."""
-    name = _model_name(trainer)
-    if name != trainer.args.output_dir or any((output_dir / file).is_file() for file in SAVED_MODEL_FILES):
-        return name, []
-    # (the newest complete one: a run stopped while saving leaves a newer folder that does not load)
-    checkpoint = newest_complete_checkpoint([output_dir])[0]
-    if checkpoint is not None:
-        checkpoint = str(checkpoint)
-        return checkpoint, [f"No final model is saved in `{output_dir}`: the code below loads its last checkpoint, "
-                            f"`{Path(checkpoint).name}`.", ""]
-    return name, [f"No model was saved in `{output_dir}` when this card was written: `Trainer.save_model()` writes it "
-                  "there (`hf-sparse-cp train`: --save_final_model).", ""]
-
-
-def _peft_model(trainer: Trainer) -> Any:
-    """The trained PEFT model (the Trainer then saves only its adapter: adapter_config.json and the adapter's
-    weights, no config.json), or None. A model is a PEFT model only where `peft` was imported."""
-    peft = sys.modules.get("peft")
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    return model if peft is not None and isinstance(model, peft.PeftModel) else None
-
-
-def _saves_tokenizer(trainer: Trainer, output_dir: Path) -> bool:
-    """Whether a tokenizer is saved beside the model: its files are in `output_dir`, or the Trainer saves one with
-    the model (its processing class, else its collator's tokenizer, as `Trainer._save` does)."""
-    if any((output_dir / name).is_file() for name in TOKENIZER_FILES):
-        return True
-    return trainer.processing_class is not None or getattr(trainer.data_collator, "tokenizer", None) is not None
-
-
-class _Loader(NamedTuple):
-    """How the card's quick start loads the saved model: the transformers class to call `from_pretrained` on, and
-    whether the model generates (a classification head runs a forward instead)."""
-
-    name: str
-    generates: bool
-
-
-def _loader(model: torch.nn.Module) -> _Loader:
-    """The class that loads `model`'s checkpoint as `model` (its head included): the Auto class whose mapping names
-    its transformers class (a class FSDP2 made, FSDPLlamaForCausalLM, read as the class it subclasses), else that
-    class itself. AutoModelForCausalLM loads a sequence-classification checkpoint into a causal LM, its `score`
-    head dropped for a new random `lm_head` (a warning its only sign), and has no `generate` to call."""
-    from transformers.models.auto import modeling_auto
-
-    generates = bool(getattr(model, "can_generate", lambda: True)())
-    classes = [c.__name__ for c in type(model).__mro__ if c.__module__.startswith("transformers.models.")]
-    for name in classes:
-        for auto, mapping in _AUTO_CLASSES:
-            names = getattr(modeling_auto, mapping, {}).values()
-            if any(name == value or (isinstance(value, tuple) and name in value) for value in names):
-                return _Loader(auto, generates)
-    return _Loader(classes[0] if classes else "AutoModelForCausalLM", generates)
-
-
-# The Auto classes a trained model's card may load it with, in the order they are tried (a class in several
-# mappings, e.g. a vision-language model's, loads with the first).
-_AUTO_CLASSES = (("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
-                 ("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"),
-                 ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
-                 ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
-                 ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),
-                 ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"))
-
-
-def _generate_lines(tokenizer: str | None, generates: bool = True) -> list[str]:
-    if tokenizer is None:
-        return ["# no tokenizer was saved with the model: tokenize with the one it was trained with"]
-    return [f'tokenizer = AutoTokenizer.from_pretrained("{tokenizer}")',
-            'inputs = tokenizer("Once upon a time", return_tensors="pt")',
-            "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=20)[0]))" if generates else
-            "print(model(**inputs))"]
-
-
-def _imports(model: str | None, tokenizer: str | None) -> str:
-    return ", ".join([model] * (model is not None) + ["AutoTokenizer"] * (tokenizer is not None))
-
-
-def _load_base(base: str | None, loader: _Loader, extra: str = "") -> str:
-    if not base:
-        return "base = ...  # the base model the adapter was trained on (adapter_config.json names none)"
-    return f'base = {loader.name}.from_pretrained("{base}"{extra})'
-
-
-def _adapter_quick_start(trainer: Trainer, peft_model: Any, sparse: SparseAttentionConfig | None,
-                         tokenizer: str | None, name: str) -> list[str]:
-    """How to load a PEFT adapter (saved in `name`) onto its base model (the one adapter_config.json names, or the
-    user's when it names none: a base model built from a config) and generate, and how to train on with the sparse
-    pattern."""
-    base = peft_model.active_peft_config.base_model_name_or_path
-    loader = _loader(peft_model.get_base_model())
-    where = f"its base model, `{base}` (named in adapter_config.json)" if base else \
-        "the base model it was trained on (adapter_config.json names none)"
-    lines = [f"This folder holds a PEFT adapter (adapter_config.json and its weights), not a whole model: load it onto "
-             f"{where} with `peft`. It loads and {_runs(loader)} without `hf-sparse-cp`, with any attention "
-             "implementation:", "", "```python", "from peft import PeftModel",
-             *([f"from transformers import {_imports(loader.name if base else None, tokenizer)}"]
-               if base or tokenizer else []), "",
-             _load_base(base, loader), f'model = PeftModel.from_pretrained(base, "{name}")',
-             *_generate_lines(tokenizer, loader.generates),
-             "```", ""]
-    if sparse is not None:
-        lines += ["To train on with the sparse pattern, load the base model with `attn_implementation=\"sparse_cp\"`, "
-                  "configure the pattern on it (the one above: an adapter saves no config.json to hold it) and add "
-                  "the adapter:", "", "```python", "import hf_sparse_cp", "from peft import PeftModel",
-                  *([f"from transformers import {loader.name}"] if base else []), "", "hf_sparse_cp.patch()",
-                  _load_base(base, loader, ', attn_implementation="sparse_cp"'),
-                  f"hf_sparse_cp.configure(base, hf_sparse_cp.SparseAttentionConfig.from_dict({sparse.given()!r}))",
-                  f'model = PeftModel.from_pretrained(base, "{name}", is_trainable=True)', "```", ""]
-    return lines
-
-
-def _quick_start(trainer: Trainer, sparse: SparseAttentionConfig | None, output_dir: Path) -> list[str]:
-    """The card's "Quick start": how to load the saved model (a whole model, or a PEFT adapter onto its base
-    model) and generate, and how to train on with the sparse pattern."""
-    name, note = _load_from(trainer, output_dir)
-    tokenizer = name if _saves_tokenizer(trainer, output_dir) else None
-    peft_model = _peft_model(trainer)
-    if peft_model is not None:
-        return note + _adapter_quick_start(trainer, peft_model, sparse, tokenizer, name)
-    loader = _loader(trainer.accelerator.unwrap_model(trainer.model))
-    lines = [*note, f"The weights are a standard transformers checkpoint: the model loads and {_runs(loader)} without "
-             "`hf-sparse-cp`, with any attention implementation (e.g. `attn_implementation=\"sdpa\"`):", "",
-             "```python", f"from transformers import {_imports(loader.name, tokenizer)}", "",
-             f'model = {loader.name}.from_pretrained("{name}")', *_generate_lines(tokenizer, loader.generates),
-             "```", ""]
-    if sparse is not None:
-        lines += ["To train on with the sparse pattern, call `hf_sparse_cp.patch()` and load it with "
-                  "`attn_implementation=\"sparse_cp\"`.", ""]
-    return lines
-
-
-def _runs(loader: _Loader) -> str:
-    return "generates" if loader.generates else "runs"
 
 
 def _throughput(trainer: Trainer, max_length: int | None) -> str:
@@ -606,82 +421,15 @@ def _section(trainer: Trainer, parallel: ParallelDims | None, max_length: int | 
                   "Not logged (sparsity logging is `--sparse_log_sparsity`, added by `attach_to_trainer`).", ""]
 
     if sparse is not None:
-        saved = ("not saved with the adapter: it has no config.json; this card holds it" if _peft_model(trainer)
+        saved = ("not saved with the adapter: it has no config.json; this card holds it" if peft_model_of(trainer)
                  else "saved in config.json as `sparse_attention`")
         lines += [f"Sparse attention config ({saved}):", "", "```yaml",
                   yaml.safe_dump(sparse.to_dict(), sort_keys=False).rstrip(), "```", ""]
     if smet is not None:
         lines += ["SMET config:", "", "```yaml", yaml.safe_dump(_smet_settings(smet), sort_keys=False).rstrip(), "```",
                   ""]
-    lines += ["### Quick start", "", *_quick_start(trainer, sparse, output_dir)]
+    lines += ["### Quick start", "", *quick_start(trainer, sparse, output_dir)]
     return "\n".join(lines)
-
-
-def _split_front_matter(card: str) -> tuple[dict, str]:
-    if card.startswith("---\n") and "\n---\n" in card[3:]:
-        end = card.index("\n---\n", 3)
-        return yaml.safe_load(card[4:end]) or {}, card[end + 5:]
-    return {}, card
-
-
-def _as_list(value: Any) -> list:
-    return [] if value is None else [value] if isinstance(value, str) else list(value)
-
-
-def _hub_metadata(card: str, trainer: Trainer, given: dict[str, Any]) -> str:
-    """`card` with YAML front matter that a Hub page accepts: `TAGS` added to its tags (PEFT's adapter tag only with
-    a Hub id); `license` (given, or the
-    card's) as a lowercase license id; `base_model` only a Hub id (given as `base_model` or `finetuned_from`, or
-    the card's, or the model's origin), omitted for a local model; `datasets` only Hub ids (given as `datasets`,
-    `dataset_tags`, `dataset_name` or `dataset`, or the card's). The stock card's sentence that links a local
-    base model to the Hub names it as local instead, and the one that calls a model loaded from a local folder (the
-    stock card links Hub ids only) trained from scratch names the model it was fine-tuned from."""
-    metadata, body = _split_front_matter(card)
-    tags = _as_list(metadata.get("tags"))
-    metadata["tags"] = list(dict.fromkeys([*tags, *_as_list(given.get("tags")), *TAGS]))
-    metadata.pop(_TRL_LICENCE, None)
-    license_ = given.get("license") or metadata.get("license")
-    if license_:
-        metadata["license"] = str(license_).lower()
-    base = (given.get("base_model") or given.get("finetuned_from") or metadata.get("base_model")
-            or recorded_base_model(getattr(getattr(trainer.model, "config", None), "_name_or_path", None)))
-    metadata.pop("base_model", None)
-    # PEFT's tag names the adapter's base model (empty for one built from a config): as `base_model`, a Hub id or none
-    metadata["tags"] = [tag for tag in metadata["tags"] if not str(tag).startswith(_ADAPTER_TAG)]
-    if isinstance(base, str) and base:
-        link = f"[{base}](https://huggingface.co/{base})"
-        if is_hub_id(base):
-            metadata["base_model"] = base
-            if _peft_model(trainer) is not None:
-                metadata["tags"].append(f"{_ADAPTER_TAG}{base}")
-            base_named = link
-        else:
-            base_named = f"a local model (`{base}`)"
-            body = body.replace(link, base_named)
-        body = body.replace(_TRL_NONE_LINK, base_named)
-        # (the stock card calls a model loaded from a local folder trained from scratch)
-        body = body.replace(_FROM_SCRATCH, f"This model is a fine-tuned version of {base_named} on")
-    body = body.replace(f"This model is a fine-tuned version of {_TRL_NONE_LINK}", "This model was trained from "
-                        "scratch")
-    body = _TRL_NONE_TITLE.sub(f"# Model Card for {Path(_model_name(trainer)).name}", body)
-    body = _OWN_QUICK_START.sub("", body)
-    named = [name for key in _DATASET_KEYS for name in _as_list(given.get(key))] or _as_list(metadata.get("datasets"))
-    datasets = list(dict.fromkeys(name for name in named if is_hub_id(name) and name != _GENERATOR))
-    metadata.pop("datasets", None)
-    if datasets:
-        metadata["datasets"] = datasets
-    return f"---\n{yaml.dump(metadata, sort_keys=False)}---\n{body}"
-
-
-def recorded_base_model(source: Any) -> Any:
-    """The model a run started from, as far as the run can know it: `source` (the model config's `_name_or_path`)
-    when it is a Hub id; for a folder that an earlier run saved, the `base_model` its card records (that run's own
-    origin); else `source` as it is."""
-    if isinstance(source, str) and os.path.isdir(source) and (Path(source) / "README.md").is_file():
-        recorded = _split_front_matter((Path(source) / "README.md").read_text(encoding="utf-8"))[0].get("base_model")
-        if is_hub_id(recorded):
-            return recorded
-    return source
 
 
 def _accepted(create_card: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -694,14 +442,14 @@ def _accepted(create_card: Callable[..., Any], kwargs: dict[str, Any]) -> dict[s
 
 
 def _with_task(trainer: Trainer, create_card: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`kwargs` with the task of the model's class (`compat.card_tasks`) where the card writer takes `tasks`, none is
-    given and FSDP2 renamed the class, whose name the stock card infers the task from (else it drops the card's
-    model-index results)."""
+    """`kwargs` with the task of the model's class (`fsdp_class_names.card_tasks`) where the card writer takes
+    `tasks`, none is given and FSDP2 renamed the class, whose name the stock card infers the task from (else it drops
+    the card's model-index results)."""
     model = trainer.model
     if (kwargs.get("tasks") is not None or "tasks" not in inspect.signature(create_card).parameters
-            or compat.unsharded_class(model) is type(model)):
+            or fsdp_class_names.unsharded_class(model) is type(model)):
         return kwargs
-    return {**kwargs, "tasks": compat.card_tasks(model)}
+    return {**kwargs, "tasks": fsdp_class_names.card_tasks(model)}
 
 
 def write_sparse_model_card(
@@ -781,8 +529,8 @@ def write_sparse_model_card(
     for wrong, right in _STOCK_FIXES:
         card = card.replace(wrong, right)
     card = _STOCK_RESULTS.sub("", card)  # (stated in the plugin's section, with the losses per step)
-    card = _hub_metadata(card, trainer, create_model_card_kwargs)
-    license_ = _split_front_matter(card)[0].get("license")
+    card = hub_metadata(card, trainer, create_model_card_kwargs)
+    license_ = split_front_matter(card)[0].get("license")
     card = _merge_versions(card, _versions(trainer))
     card += "\n" + _section(trainer, parallel, max_length, longest_trained, cp_size, smet, optimizer_line, output_dir,
                             create_model_card_kwargs, license_, cp_schedule, cp_stages, first_step)

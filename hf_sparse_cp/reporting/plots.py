@@ -31,8 +31,9 @@ from ..integration.interfaces import is_patched, patch, unpatch
 from ..integration.patching import PatchSet
 from ..integration.registration import configure
 from ..recipes import pattern_path
+from .card_quick_start import TOKENIZER_FILES
 from .kept_fraction_figure import kept_fraction_figure, new_figure, read_log_history
-from .model_card import KEPT_FRACTION_PLOT, TOKENIZER_FILES
+from .model_card import KEPT_FRACTION_PLOT
 
 LAYOUTS_PLOT = "sparse_block_layouts.png"
 PICTURES = ("kept_fraction", "layouts")

@@ -33,7 +33,7 @@ from ..attention.ops import block_sparse_attention
 from ..attention.scoring import Sampling
 from ..attention.tokens import TokenMeta
 from ..config import SparseAttentionConfig
-from ..integration import compat
+from ..integration import upstream
 from ..loss.chunked import chunked_linear_cross_entropy
 
 CAPTURE_BACKEND = "hf_sparse_cp_capture"
@@ -65,8 +65,8 @@ def _attention_backend(model: torch.nn.Module, name: str, attend) -> Iterator[No
         yield
     finally:
         model.set_attn_implementation(previous)
-        compat.unregister(AttentionInterface, name)
-        compat.unregister(AttentionMaskInterface, name)
+        upstream.unregister(AttentionInterface, name)
+        upstream.unregister(AttentionMaskInterface, name)
 
 
 @contextlib.contextmanager

@@ -4,10 +4,13 @@
 * `arguments.py`: `SparseCPArguments`, `SMETArguments`, `explicit_fields` (flags for `HfArgumentParser`);
 * `plugin_arguments.py`: every plugin flag as a field, and `PluginArguments` (those alone), without the Trainer;
 * `attach.py`: `enable_sparse_attention`, `attach_to_trainer` and their undo calls (the functional API);
-* `context_parallel.py`: `enable_trainer_context_parallel` (the Trainer's CP input preparation);
+* `context_parallel.py`: `enable_trainer_context_parallel` (the Trainer's CP input preparation), from the pieces
+  `cp_batches.py` (the DP-only data loader, a rank's share of a batch), `cp_steps.py` (the steps and counts),
+  `cp_token_loss.py` (label smoothing), `cp_neftune.py` and `cp_metrics.py` (the evaluation's gathers);
 * `token_ids.py`: the CP data loader's check of token ids against the model's vocabulary, on the host;
 * `curriculum.py`: `--cp_schedule`, a context-length curriculum switched online (`enable_curriculum`), whose
-  stages `schedule.py` reads;
+  stages `schedule.py` reads, `stage_plan.py` checks for the run (`build_schedule`) and `stage_data.py` feeds
+  (the cropped samples, the run-long batch sampler);
 * `checkpoints.py`: checks a resume against the run, and FSDP2's sharded checkpoints (the marker that says a
   checkpoint is complete is read without torch by `hf_sparse_cp.checkpoint_marker`, below the layers);
 * `cpu_fsdp.py`: `--fsdp` as FSDP2 on CPU processes; `smet.py`: `install_smet` / `uninstall_smet`;

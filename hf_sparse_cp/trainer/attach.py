@@ -27,9 +27,8 @@ from ..config import BACKEND_NAME, SparseAttentionConfig, language_config
 from ..config.files import unread_fields_checked_by_caller
 from ..distributed import ContextParallelConfig, ParallelDims
 from ..distributed.comm import group_timeout, rank_and_world
-from ..integration import compat
+from ..integration import fsdp_class_names, upstream
 from ..integration.architectures import uses_every_parameter
-from ..integration.backend import forget_layer_state, model_config_for
 from ..integration.fused_ops import (
     describe_fused_ops,
     disable_fused_ops,
@@ -39,6 +38,7 @@ from ..integration.fused_ops import (
 )
 from ..integration.given import require_instance, require_model, require_trainer
 from ..integration.interfaces import is_patched, patch, unpatch
+from ..integration.layer_settings import forget_layer_state, model_config_for
 from ..integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
 from ..integration.memory_savers import disable_memory_savers, enable_memory_savers, token_tiles_enabled
 from ..integration.models import (
@@ -261,8 +261,8 @@ def apply_ddp_timeout(trainer: Trainer, patches: PatchSet) -> None:
         return
     wanted, previous = timedelta(seconds=trainer.args.ddp_timeout), group_timeout()
     if wanted != previous:
-        compat.set_process_group_timeout(wanted)
-        patches.on_undo(functools.partial(compat.set_process_group_timeout, previous), outside=True)
+        upstream.set_process_group_timeout(wanted)
+        patches.on_undo(functools.partial(upstream.set_process_group_timeout, previous), outside=True)
 
 
 def describe_layers(model: torch.nn.Module, max_length: int | None,
@@ -425,15 +425,15 @@ def prepare_for_training_after_evaluation(trainer: Trainer, patches: PatchSet) -
 def shift_smoothed_labels_under_fsdp(trainer: Trainer, patches: PatchSet) -> None:
     """Make the Trainer's label smoothing (`--label_smoothing_factor`) of a causal LM under FSDP2 shift its labels,
     as it does without FSDP: the Trainer decides by the model class's name, which FSDP2 replaces
-    (`compat.smoother_shifts_labels`). Under CP the CP group's smoother decides so itself
-    (`context_parallel.smooth_labels_over_cp_group`); this is the runs without CP's. No-op without label smoothing
+    (`fsdp_class_names.smoother_shifts_labels`). Under CP the CP group's smoother decides so itself
+    (`cp_token_loss.smooth_labels_over_cp_group`); this is the runs without CP's. No-op without label smoothing
     or FSDP."""
     smoother = trainer.label_smoother
     if smoother is None or not trainer.is_fsdp_enabled:
         return
 
     def smooth(model_output, labels, shift_labels=False, num_items_in_batch=None):
-        shift = shift_labels or compat.smoother_shifts_labels(trainer.model)
+        shift = shift_labels or fsdp_class_names.smoother_shifts_labels(trainer.model)
         return smoother(model_output, labels, shift_labels=shift, num_items_in_batch=num_items_in_batch)
 
     patches.set_attr(trainer, "label_smoother", smooth)
@@ -488,7 +488,7 @@ def attach_to_trainer(
     with flag_errors():  # (--fsdp on CPU processes: FSDP2, as SparseTrainer runs it; accelerate alone runs DDP)
         set_up_fsdp2(trainer)
     if attached_patches(trainer, _STEP_METRICS) is None:
-        sparse = compat.attn_implementation(trainer.model.config) == BACKEND_NAME
+        sparse = upstream.attn_implementation(trainer.model.config) == BACKEND_NAME
         count_step_metrics(trainer, record_on(trainer, _STEP_METRICS),
                            row_length_watch(trainer, sparse_args, max_length) if sparse else None)
     if sparse_args.sparse_log_sparsity and attached_patches(trainer, _SPARSITY_LOGGING) is None:
@@ -508,7 +508,7 @@ def attach_to_trainer(
         shift_smoothed_labels_under_fsdp(trainer, record_on(trainer, _SHIFTED_SMOOTHING))
     if attached_patches(trainer, _CHECKPOINTS) is None:
         protect_checkpoints(trainer, parallel, record_on(trainer, _CHECKPOINTS), cp_schedule=cp_schedule)
-    if trainer.is_world_process_zero() and compat.attn_implementation(trainer.model.config) == BACKEND_NAME:
+    if trainer.is_world_process_zero() and upstream.attn_implementation(trainer.model.config) == BACKEND_NAME:
         fused = describe_fused_ops(trainer.model, compiled=compiles_whole(trainer.args))
         if cp_schedule is not None:
             logger.warning("sparse_cp: cp_schedule %s (FROM:SEQ_LEN:CP_SIZE); %s; %d stages:\n%s", cp_schedule, fused,

@@ -16,7 +16,7 @@ from accelerate.utils import str_to_bool
 from transformers import Trainer
 
 from ..config import language_config
-from ..integration import compat
+from ..integration import trainer_losses
 from ..integration.architectures import (
     ROUTER_LOSS_PARAMETERS,
     computes_unshifted_loss,
@@ -76,8 +76,8 @@ def check_loss(trainer: Trainer, cp_size: int) -> None:
                 "is not supported: it reads the labels of each rank's shard beside the smoothed loss (TRL "
                 "SFTTrainer's token accuracy; the Trainer's own compute_loss smooths exactly under CP)")
         fix = "drop --label_smoothing_factor (TRL deprecates it in SFTTrainer), or run without CP"
-    elif method in compat.cp_exact_losses() and method is not Trainer.compute_loss and trainer.label_smoother is None \
-            and computes_unshifted_loss(trainer.model.config):
+    elif method in trainer_losses.cp_exact_losses() and method is not Trainer.compute_loss \
+            and trainer.label_smoother is None and computes_unshifted_loss(trainer.model.config):
         # (the Trainer's own compute_loss hands CP the model's loss, `smooth_labels_over_cp_group`; with label
         # smoothing a trainer smooths the logits, shifted, instead of the model's loss: exact)
         what = (f"{type(trainer.model).__name__}'s forward computes its loss itself, the mean cross-entropy of the "
@@ -86,14 +86,14 @@ def check_loss(trainer: Trainer, cp_size: int) -> None:
                 f"mean over its shard, which {method.__qualname__.rsplit('.', 1)[0]}'s count and scaling do not make "
                 "one process's (transformers' Trainer computes it over the CP group)")
         fix = "train it with transformers' Trainer, or run without CP"
-    elif method in compat.cp_exact_losses():
+    elif method in trainer_losses.cp_exact_losses():
         _check_head(trainer.model, cp_size, whole_rows=False, own_loss=method is Trainer.compute_loss)
         return
-    elif method in compat.cp_whole_row_losses():
+    elif method in trainer_losses.cp_whole_row_losses():
         _check_head(trainer.model, cp_size, whole_rows=True, own_loss=False,
-                    scores_rows=method in compat.cp_row_score_losses())
+                    scores_rows=method in trainer_losses.cp_row_score_losses())
         check_whole_row_trainer(trainer, cp_size)
-        if method in compat.cp_generated_row_losses():
+        if method in trainer_losses.cp_generated_row_losses():
             check_generating_trainer(trainer, cp_size, trainer.accelerator.num_processes // cp_size)
         return
     else:
@@ -107,7 +107,7 @@ def own_loss_refusal(trainer_class: type[Trainer], cp_size: int) -> str | None:
     be refused for its settings or model). The launcher asks it of the TRL trainer a script builds
     (`launch.known_scripts`), before any process starts and builds the script's data."""
     method = trainer_class.compute_loss
-    if method in compat.cp_exact_losses() or method in compat.cp_whole_row_losses():
+    if method in trainer_losses.cp_exact_losses() or method in trainer_losses.cp_whole_row_losses():
         return None
     return _loss_refusal(f"{method.__qualname__.rsplit('.', 1)[0]} under context parallelism (CP {cp_size}) is not "
                          f"supported: its compute_loss ({method.__module__}) builds its loss from the model's "
@@ -124,7 +124,7 @@ def _loss_refusal(what: str, fix: str) -> str:
 def _check_head(model: torch.nn.Module, cp_size: int, *, whole_rows: bool, own_loss: bool,
                 scores_rows: bool = False) -> None:
     """Refuse a head that CP does not train as one process (`heads.model_head`). A language-model head trains under
-    the trainers of `compat.cp_exact_losses` and `cp_whole_row_losses`; a token- or sequence-classification or a
+    the trainers of `trainer_losses.cp_exact_losses` and `cp_whole_row_losses`; a token- or sequence-classification or a
     question-answering head under the Trainer's own compute_loss (`own_loss`), whose loss CP makes the group's
     (`smooth_labels_over_cp_group`, `cp_group_steps`); a sequence-classification head under a whole-row trainer whose
     loss is built from it (`scores_rows`: TRL's RewardTrainer), whose pooled score every rank of the group holds

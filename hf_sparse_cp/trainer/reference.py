@@ -18,8 +18,8 @@ import torch
 from transformers import Trainer
 
 from ..config import BACKEND_NAME, SparseAttentionConfig
-from ..integration import compat
-from ..integration.backend import model_config_for
+from ..integration import upstream
+from ..integration.layer_settings import model_config_for
 from .arguments import SparseCPArguments
 from .attach import enable_sparse_attention
 from .whole_rows import REFERENCE_MODEL
@@ -39,10 +39,10 @@ def attend_like_trained_model(trainer: Trainer, sparse_args: SparseCPArguments, 
     if not isinstance(reference, torch.nn.Module):
         return
     reference, trained = trainer.accelerator.unwrap_model(reference), trainer.accelerator.unwrap_model(trainer.model)
-    if compat.attn_implementation(getattr(trained, "config", None)) != BACKEND_NAME:
+    if upstream.attn_implementation(getattr(trained, "config", None)) != BACKEND_NAME:
         return
     pattern = model_config_for(trained)
-    previous = compat.attn_implementation(reference.config)
+    previous = upstream.attn_implementation(reference.config)
     # (TRL loads the reference with the trained model's attn_implementation, so `sparse_cp` without its pattern: the
     # default one, another block size and budget)
     stored = SparseAttentionConfig.stored_on(reference.config) if previous == BACKEND_NAME else None

@@ -31,7 +31,7 @@ import torch
 from transformers import Trainer
 
 from ..integration.architectures import model_router_loss_modules
-from ..integration.backend import cp_forward_shard
+from ..integration.call_context import cp_forward_shard
 from ..scoped import scoped
 
 _SHARE: contextvars.ContextVar[float] = contextvars.ContextVar("router_loss_share", default=1.0)

@@ -42,7 +42,7 @@ from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
 from ..distributed import quiesce_process_groups, settle_gloo_workers
 from ..distributed.mesh import every_rank_at_exit
-from ..integration import compat
+from ..integration import upstream
 from ..integration.given import require_subclass
 from ..integration.patching import PatchSet
 from ..launch_env import in_launched_group, launched_env
@@ -60,7 +60,7 @@ from .attach import (
 from .callbacks import StepMetricsCallback
 from .cp_checks import check_training_arguments
 from .cpu_fsdp import check_cpu_fsdp_version, disable_cpu_fsdp2, set_up_fsdp2
-from .curriculum import card_stages, check_schedule_flags
+from .curriculum import card_stages
 from .generated_rows import generation_batch_counted_by_trl
 from .plugin_arguments import (
     LENGTH_FIELD,
@@ -75,6 +75,7 @@ from .plugin_arguments import (
 from .reference import attend_like_trained_model
 from .schedule import parse_schedule
 from .smet import check_smet_optim, install_smet
+from .stage_plan import check_schedule_flags
 from .tied_weights import alias_tied_weights
 
 logger = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ def _refuse_sparse_model_with_switch_off(model: Any) -> None:
     """Refuse, naming both ways out, a model that runs `sparse_cp` in a run with `--sparse_attention false`: it would
     train sparse with the pattern it holds (or the backend's default), never configured from the run's flags."""
     config = getattr(model, "config", None)
-    if config is not None and compat.attn_implementation(config) == BACKEND_NAME:
+    if config is not None and upstream.attn_implementation(config) == BACKEND_NAME:
         with flag_errors():
             raise ValueError(
                 f"--sparse_attention false, but {type(model).__name__} runs attn_implementation='{BACKEND_NAME}' (it "
@@ -371,7 +372,7 @@ class SparseTrainerMixin:
             logger.warning("The model's config holds sparse attention settings (%s: saved by an hf-sparse-cp run), "
                            "which this run ignores: --sparse_attention is off, so attention runs %r. Pass "
                            "--sparse_attention true to train with them.", MODEL_CONFIG_ATTRIBUTE,
-                           compat.attn_implementation(model.config))
+                           upstream.attn_implementation(model.config))
 
     def call_model_init(self, trial=None) -> torch.nn.Module:
         """The Trainer's `call_model_init`, which builds the model from `model_init` in `__init__` and again at every
@@ -531,7 +532,7 @@ def _tear_down_at_exit() -> None:
             # its exit barrier waiting until the group's timeout; its exit ends the job through the launcher)
             settle_gloo_workers()
         elif torch.distributed.is_available() and torch.distributed.is_initialized() and every_rank_at_exit(
-                compat.default_store()):
+                upstream.default_store()):
             quiesce_process_groups()
             torch.distributed.destroy_process_group()
         else:

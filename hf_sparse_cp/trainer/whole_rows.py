@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..distributed import CP_SHARD_KWARG, CPShard, ParallelDims
 from ..distributed.comm import all_reduce
 from ..distributed.split.blocks import CONSUMED_KEYS
-from ..integration.backend import guard_context_parallel
+from ..integration.call_context import guard_context_parallel
 from ..integration.heads import BATCH_OUTPUT_HEADS, model_head
 
 # The inputs of a forward that the CP input preparation shards along the sequence, or folds into the CPShard (the

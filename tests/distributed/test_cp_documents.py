@@ -802,10 +802,10 @@ def _planner_weight_case(tmp: str) -> dict:
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     import hf_sparse_cp
-    from hf_sparse_cp.integration.backend import model_config_for
+    from hf_sparse_cp.integration.layer_settings import model_config_for
     from hf_sparse_cp.integration.planner_weights import linear_flop_pairs
     from hf_sparse_cp.testing.tiny_models import tiny_config
-    from hf_sparse_cp.trainer.curriculum import build_schedule
+    from hf_sparse_cp.trainer.stage_plan import build_schedule
 
     hf_sparse_cp.patch()
 

@@ -67,7 +67,7 @@ def _registry_under_cp2(rank: int, world: int, model_types: tuple[str, ...], fla
     `ContextParallelConfig` flags (name, value) against one process."""
     from hf_sparse_cp.distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
     from hf_sparse_cp.distributed.loss import global_mean_loss, global_num_items, rank_loss
-    from hf_sparse_cp.integration.backend import guard_context_parallel
+    from hf_sparse_cp.integration.call_context import guard_context_parallel
     from hf_sparse_cp.integration.stats import pop_kept_fractions
 
     hf_sparse_cp.patch()
@@ -259,7 +259,7 @@ def _multimodal_rope_text_models_under_cp2(rank: int, world: int) -> dict:
     from transformers import AutoModel
 
     from hf_sparse_cp.distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
-    from hf_sparse_cp.integration.backend import guard_context_parallel
+    from hf_sparse_cp.integration.call_context import guard_context_parallel
 
     hf_sparse_cp.patch()
     par = ParallelDims.from_config(ContextParallelConfig(cp_size=world))

@@ -87,7 +87,7 @@ def _token_types(rank: int, world: int) -> dict:
     import hf_sparse_cp
     from hf_sparse_cp import SparseAttentionConfig
     from hf_sparse_cp.distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
-    from hf_sparse_cp.integration.backend import guard_context_parallel
+    from hf_sparse_cp.integration.call_context import guard_context_parallel
 
     hf_sparse_cp.patch()
     keep_all = SparseAttentionConfig(block_size=16, min_seq_len=0, vertical_topk=10**4, slash_topk=10**4)

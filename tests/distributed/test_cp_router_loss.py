@@ -108,7 +108,7 @@ def _router_loss_collectives(rank: int, world: int) -> dict:
 
     from hf_sparse_cp.distributed import ContextParallelConfig, ParallelDims, prepare_context_parallel_inputs
     from hf_sparse_cp.distributed import shard as shard_module
-    from hf_sparse_cp.integration.backend import guard_context_parallel
+    from hf_sparse_cp.integration.call_context import guard_context_parallel
     from hf_sparse_cp.trainer.router_loss import _over_cp_group
 
     rows, length, experts = 2, 203, 4

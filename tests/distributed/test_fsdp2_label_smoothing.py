@@ -2,7 +2,7 @@
 for its smoother when the model class's name is one of transformers' causal LMs, and FSDP2's `fully_shard` renames the
 class (FSDPLlamaForCausalLM), so the smoother scored each position's logits against its own token: here eval_loss
 3.13 before training where one process has 4.64, under CP 2 and DP 2 alike. The plugin's smoothers read the class
-FSDP2 derived from (`compat.smoother_shifts_labels`)."""
+FSDP2 derived from (`fsdp_class_names.smoother_shifts_labels`)."""
 
 import pytest
 import torch

@@ -1,8 +1,8 @@
 """The model card and the saved config under FSDP2, CP 2 and DP 2, against one process. The Trainer's card infers its
 task from the model class's name, which FSDP2's `fully_shard` renames (FSDPLlamaForCausalLM): the card of a run
 under FSDP2 had no task and, with it, dropped the model-index results (task, dataset, metrics) one process's card
-holds. The plugin's card writer gives it the task of the class FSDP2 derived from (`compat.card_tasks`). The saved
-config.json names the architecture as one process's does (transformers strips FSDP2's prefix itself)."""
+holds. The plugin's card writer gives it the task of the class FSDP2 derived from (`fsdp_class_names.card_tasks`).
+The saved config.json names the architecture as one process's does (transformers strips FSDP2's prefix itself)."""
 
 import json
 import os

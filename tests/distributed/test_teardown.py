@@ -79,7 +79,7 @@ def _exit_handler_calls(monkeypatch) -> list[str]:
     monkeypatch.setattr(sparse_trainer, "quiesce_process_groups", _recording(calls, "quiesce"))
     monkeypatch.setattr(sparse_trainer.atexit, "register", handlers.append)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(sparse_trainer.compat, "default_store", lambda: None)
+    monkeypatch.setattr(sparse_trainer.upstream, "default_store", lambda: None)
     monkeypatch.setattr(sparse_trainer, "every_rank_at_exit", lambda store: True)
     monkeypatch.setattr(dist, "destroy_process_group", _recording(calls, "destroy"))
     sparse_trainer._tear_down_at_exit.__wrapped__()

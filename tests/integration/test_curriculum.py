@@ -1,5 +1,5 @@
-"""Online CP switching (`hf_sparse_cp.trainer.curriculum`): the schedule and its validation, the
-run-long batch sampler, then 4 gloo processes training through CP 1 x DP 4 -> CP 2 x DP 2 (ring) -> CP 4
+"""Online CP switching (`hf_sparse_cp.trainer.curriculum`): the schedule and its validation (`stage_plan`), the
+run-long batch sampler (`stage_data`), then 4 gloo processes training through CP 1 x DP 4 -> CP 2 x DP 2 (ring) -> CP 4
 x DP 1 (hybrid: heads over 2 ranks x a ring of 2) in one Trainer run, compared with the same stages run as
 three jobs chained through checkpoints (DDP; AdamW and SMET), and a resume from a checkpoint saved in the
 middle stage; then FSDP2 over the 4 ranks (functional API) through CP and mode switches against one
@@ -17,14 +17,9 @@ from hf_sparse_cp.attention.budgets import Mass
 from hf_sparse_cp.config import SparseAttentionConfig
 from hf_sparse_cp.distributed import CP_SHARD_KWARG, ParallelDims, RingTopology
 from hf_sparse_cp.trainer.checkpoints import MARKER, read_marker
-from hf_sparse_cp.trainer.curriculum import (
-    StageBatchSampler,
-    StageSamples,
-    build_schedule,
-    check_row_lengths,
-    check_schedule_flags,
-)
 from hf_sparse_cp.trainer.schedule import parse_schedule
+from hf_sparse_cp.trainer.stage_data import StageBatchSampler, StageSamples, check_row_lengths
+from hf_sparse_cp.trainer.stage_plan import build_schedule, check_schedule_flags
 
 SCHEDULE = "0:128:1,2:256:2,4:512:4:vertical_topk=32:cp_mode=hybrid:cp_ulysses_size=2"
 PATTERN = SparseAttentionConfig(block_size=64, min_seq_len=256, vertical_topk=16, slash_topk=32, local_window=32,

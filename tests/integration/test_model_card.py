@@ -26,14 +26,9 @@ from hf_sparse_cp.checkpoint_marker import MARKER
 from hf_sparse_cp.distributed import ContextParallelConfig
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+from hf_sparse_cp.reporting.card_metadata import TAGS
 from hf_sparse_cp.reporting.kept_fraction_figure import mean_kept_fraction_per_layer
-from hf_sparse_cp.reporting.model_card import (
-    KEPT_FRACTION_PLOT,
-    RESULTS_TITLE,
-    SECTION_TITLE,
-    TAGS,
-    write_sparse_model_card,
-)
+from hf_sparse_cp.reporting.model_card import KEPT_FRACTION_PLOT, RESULTS_TITLE, SECTION_TITLE, write_sparse_model_card
 from hf_sparse_cp.smet import SMETConfig
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.arguments import SparseCPArguments
@@ -367,7 +362,7 @@ def test_the_card_parses_with_huggingface_hubs_parser(smet_run):
 
 
 def test_a_folder_an_earlier_run_saved_names_its_recorded_base_model(tmp_path):
-    from hf_sparse_cp.reporting.model_card import recorded_base_model
+    from hf_sparse_cp.reporting.card_metadata import recorded_base_model
 
     (tmp_path / "README.md").write_text("---\nbase_model: Qwen/Qwen2.5-0.5B\n---\n# card\n")
     assert recorded_base_model(str(tmp_path)) == "Qwen/Qwen2.5-0.5B"

@@ -20,8 +20,9 @@ from hf_sparse_cp import (
 from hf_sparse_cp.cli import main
 from hf_sparse_cp.examples.passkey import passkey_dataset
 from hf_sparse_cp.examples.tokenizer import byte_tokenizer
+from hf_sparse_cp.reporting.card_quick_start import TOKENIZER_FILES
 from hf_sparse_cp.reporting.kept_fraction_figure import kept_fraction_series, mean_kept_fraction_per_layer
-from hf_sparse_cp.reporting.model_card import KEPT_FRACTION_PLOT, TOKENIZER_FILES
+from hf_sparse_cp.reporting.model_card import KEPT_FRACTION_PLOT
 from hf_sparse_cp.reporting.plots import (
     LAYOUTS_PLOT,
     block_coverage,

@@ -26,7 +26,7 @@ from hf_sparse_cp.examples.train_long_context import (
     parse_args,
     recipe_flags,
 )
-from hf_sparse_cp.integration.compat import attn_implementation
+from hf_sparse_cp.integration.upstream import attn_implementation
 from hf_sparse_cp.recipes import recipe_names, recipe_path
 from hf_sparse_cp.smet import SMETConfig
 from hf_sparse_cp.testing.spawn import run_cli

@@ -11,7 +11,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_sparse_cp
-from hf_sparse_cp.integration import compat
+from hf_sparse_cp.integration import compat, upstream
 from hf_sparse_cp.integration.architectures import (
     ARCHITECTURES,
     ROUTER_LOSS_PARAMETERS,
@@ -98,11 +98,11 @@ def test_an_architecture_outside_attention_interface_is_refused_naming_it_and_le
     hf_sparse_cp.patch()
     try:
         model = AutoModelForCausalLM.from_config(tiny_config(model_type))
-        before = compat.attn_implementation(model.config)
+        before = upstream.attn_implementation(model.config)
         cause = f"model type '{model_type}'\\) does not route its attention through transformers' AttentionInterface"
         with pytest.raises(ValueError, match=cause + r".*--sparse_attention false.*or train a model whose"):
             hf_sparse_cp.configure(model)
-        assert compat.attn_implementation(model.config) == before and not hasattr(model.config, "sparse_attention")
+        assert upstream.attn_implementation(model.config) == before and not hasattr(model.config, "sparse_attention")
         with pytest.raises(ValueError, match=cause + r".*--cp_size 1") as refused:
             check_model_supports_context_parallel(model)
         assert "configure(model)" not in str(refused.value)
@@ -124,7 +124,7 @@ def test_an_architecture_outside_attention_interface_loaded_on_the_backend_is_re
     try:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="sparse_cp")
-        assert compat.attn_implementation(model.config) == "sparse_cp"
+        assert upstream.attn_implementation(model.config) == "sparse_cp"
         with pytest.raises(ValueError, match=rf"Model type '{model_type}' computes attention in its own code, not "
                                              r"through transformers' AttentionInterface.*attn_implementation='eager' "
                                              r"or 'sdpa' \(--sparse_attention false\)"):
@@ -211,7 +211,7 @@ def test_architectures_that_route_attention_through_the_interface_pass_the_check
         model = AutoModelForCausalLM.from_config(tiny_config(model_type))
         hf_sparse_cp.configure(model)
         check_attention_routed(model)
-        assert compat.attn_implementation(model.config) == "sparse_cp"
+        assert upstream.attn_implementation(model.config) == "sparse_cp"
     finally:
         hf_sparse_cp.unpatch()
 
@@ -227,10 +227,10 @@ def test_a_model_is_checked_as_training_switches_it_and_left_as_it_was(model_typ
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny_config(model_type))
-    before = compat.attn_implementation(model.config)
+    before = upstream.attn_implementation(model.config)
     with pytest.raises(ValueError, match=refused) if refused else contextlib.nullcontext():
         check_switchable(model, context_parallel=True)
-    assert compat.attn_implementation(model.config) == before and not hf_sparse_cp.is_patched()
+    assert upstream.attn_implementation(model.config) == before and not hf_sparse_cp.is_patched()
     assert not any(m._forward_pre_hooks for m in model.modules())
 
 
@@ -250,7 +250,7 @@ def test_a_model_without_an_attention_layer_is_refused_as_such(model_type, overr
             hf_sparse_cp.configure(model)
         assert ("places attention layers among them trains with it" in str(refused.value)) == hybrid
         assert "does not route" not in str(refused.value)
-        assert compat.attn_implementation(model.config) != "sparse_cp"
+        assert upstream.attn_implementation(model.config) != "sparse_cp"
     finally:
         hf_sparse_cp.unpatch()
 
@@ -280,7 +280,7 @@ def test_a_forward_that_fails_without_sparse_cp_too_is_not_blamed_on_it():
         with pytest.raises(ValueError, match=cause + r".*the failure is the model's own") as refused:
             hf_sparse_cp.configure(model)
         assert "--sparse_attention false" not in str(refused.value)
-        assert compat.attn_implementation(model.config) != "sparse_cp"
+        assert upstream.attn_implementation(model.config) != "sparse_cp"
         model = AutoModelForCausalLM.from_config(tiny_config("mixtral"), experts_implementation="eager").double()
         hf_sparse_cp.configure(model)
     finally:
@@ -299,7 +299,7 @@ def test_a_model_that_builds_its_own_attention_mask_is_refused_at_the_check_and_
         cause = r"Model type 'doge' builds its own 4D attention mask in its attention layers"
         with pytest.raises(ValueError, match=cause + r".*--sparse_attention false"):
             hf_sparse_cp.configure(model)
-        assert compat.attn_implementation(model.config) != "sparse_cp"
+        assert upstream.attn_implementation(model.config) != "sparse_cp"
         with pytest.raises(ValueError, match=cause + r".*--sparse_attention false.*drop --cp_size"):
             check_model_supports_context_parallel(model)
         model = AutoModelForCausalLM.from_config(tiny_config("doge"), attn_implementation="sparse_cp")
@@ -424,7 +424,7 @@ def test_an_attention_feature_the_backend_lacks_is_refused_at_the_switch_and_the
         model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
         with pytest.raises(ValueError, match=cause + r".*--sparse_attention false"):
             hf_sparse_cp.configure(model)
-        assert compat.attn_implementation(model.config) != "sparse_cp"
+        assert upstream.attn_implementation(model.config) != "sparse_cp"
         model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), attn_implementation="sparse_cp")
         with pytest.raises(ValueError, match=cp_cause or cause + r".*--sparse_attention false"):
             check_model_supports_context_parallel(model)
@@ -440,10 +440,10 @@ def test_a_model_whose_forward_fails_with_the_backend_is_refused_at_the_switch()
     hf_sparse_cp.patch()
     try:
         model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v32", **_DSA))
-        before = compat.attn_implementation(model.config)
+        before = upstream.attn_implementation(model.config)
         with pytest.raises(ValueError, match=_INDEXED.format("deepseek_v32") + r".*--sparse_attention false"):
             hf_sparse_cp.configure(model)
-        assert compat.attn_implementation(model.config) == before and not hasattr(model.config, "sparse_attention")
+        assert upstream.attn_implementation(model.config) == before and not hasattr(model.config, "sparse_attention")
         model.set_attn_implementation("sparse_cp")
         with pytest.raises(ValueError, match="DeepseekV32ForCausalLM mixes tokens outside attention"):
             check_model_supports_context_parallel(model)
@@ -503,12 +503,12 @@ def test_a_multimodal_model_with_a_bidirectional_tower_switches_its_language_mod
                 with pytest.raises(ValueError, match=r"Gemma3ForConditionalGeneration has bidirectional attention "
                                                      r"layers \(model.language_model.layers.0.self_attn"):
                     hf_sparse_cp.configure(model)
-                assert compat.attn_implementation(model.config) == "sdpa"
+                assert upstream.attn_implementation(model.config) == "sdpa"
                 assert not hasattr(model.config, "sparse_attention")
                 continue
             hf_sparse_cp.configure(model)
-            assert compat.attn_implementation(model.config.text_config) == "sparse_cp"
-            assert compat.attn_implementation(model.config.vision_config) == "sdpa"
+            assert upstream.attn_implementation(model.config.text_config) == "sparse_cp"
+            assert upstream.attn_implementation(model.config.vision_config) == "sdpa"
     finally:
         hf_sparse_cp.unpatch()
 
@@ -721,8 +721,8 @@ SWEPT = {
 
 
 # Models whose mask is built without the position_ids (their sdpa attends across restarts; sparse_cp packs by them, as
-# it does for every model that hands its layers none: `backend.with_forward_positions`), among them the BART family's
-# decoders, which take position_ids through their keyword arguments only.
+# it does for every model that hands its layers none: `forward_positions.with_forward_positions`), among them the BART
+# family's decoders, which take position_ids through their keyword arguments only.
 UNPACKED_BY_THE_MASK = ("biogpt", "granitemoehybrid", "bart", "mbart", "plbart", "blenderbot", "blenderbot-small",
                         "marian", "pegasus")
 
@@ -923,7 +923,7 @@ def test_a_decoder_self_attention_built_non_causal_is_refused_as_what_it_is_not_
              r"with is_causal=False.*attn_implementation='eager' \(--sparse_attention false\)")
     with pytest.raises(ValueError, match=cause) as refused:
         hf_sparse_cp.configure(model)
-    assert compat.attn_implementation(model.config) == "eager"
+    assert upstream.attn_implementation(model.config) == "eager"
     model.set_attn_implementation("sparse_cp")
     with pytest.raises(ValueError, match=cause) as called:
         model(input_ids=torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(0)))

@@ -452,8 +452,8 @@ def test_an_estimation_chunk_that_covers_the_sequence_is_refused():
     """Issue #31: every layer ran dense (kept 1.000) without a word."""
     from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments, disable_sparse_attention
     from hf_sparse_cp.trainer.attach import enable_sparse_attention
-    from hf_sparse_cp.trainer.curriculum import build_schedule
     from hf_sparse_cp.trainer.schedule import parse_schedule
+    from hf_sparse_cp.trainer.stage_plan import build_schedule
 
     pattern = SparseAttentionConfig(estimation="causal_chunks", estimation_chunk=1024, block_size=64, min_seq_len=512,
                                     dense_first_layers=1)
@@ -773,8 +773,8 @@ def test_a_layer_override_past_the_models_layers_is_refused_naming_the_layer_cou
     import hf_sparse_cp
     from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments
     from hf_sparse_cp.trainer.attach import enable_sparse_attention
-    from hf_sparse_cp.trainer.curriculum import build_schedule
     from hf_sparse_cp.trainer.schedule import Stage
+    from hf_sparse_cp.trainer.stage_plan import build_schedule
 
     hf_sparse_cp.patch()
     config = SparseAttentionConfig(layer_overrides={key: {"pattern": "dense"}})

@@ -13,7 +13,7 @@ import transformers
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.integration import compat
+from hf_sparse_cp.integration import upstream
 from hf_sparse_cp.integration.call_tokens import NonCausalMask
 
 pytestmark = pytest.mark.usefixtures("patched")
@@ -36,7 +36,7 @@ def _encoder(name: str) -> torch.nn.Module:
 @pytest.mark.parametrize("name", list(ENCODERS))
 def test_an_encoder_without_is_causal_loaded_on_the_backend_is_refused_at_its_mask(name):
     model = _encoder(name)
-    assert compat.attn_implementation(model.config) == "eager"
+    assert upstream.attn_implementation(model.config) == "eager"
     model.set_attn_implementation("sparse_cp")
     with pytest.raises(NonCausalMask, match=r"builds a bidirectional attention mask .*attn_implementation='sdpa' or "
                                             r"'eager' \(--sparse_attention false\)"):
@@ -50,7 +50,7 @@ def test_configure_refuses_an_encoder_without_is_causal_and_leaves_it_as_it_was(
                                          r"bidirectional attention mask.*: train it with its own attention: "
                                          r"--sparse_attention false"):
         hf_sparse_cp.configure(model)
-    assert compat.attn_implementation(model.config) == "eager"
+    assert upstream.attn_implementation(model.config) == "eager"
 
 
 def test_under_cp_the_refusal_of_an_encoder_without_is_causal_drops_cp():
@@ -65,7 +65,7 @@ def test_under_cp_the_refusal_of_an_encoder_without_is_causal_drops_cp():
     args = SparseTrainingArguments("out", use_cpu=True, report_to=[], cp_size=2)
     with pytest.raises(ValueError, match=r"SplinterModel cannot train with sparse_cp\. .*bidirectional.*" + fix):
         enable_sparse_attention(model, SparseCPArguments(), training_args=args)
-    assert compat.attn_implementation(model.config) == "eager"
+    assert upstream.attn_implementation(model.config) == "eager"
     model.set_attn_implementation("sparse_cp")  # (loaded on the backend: CP's check probes it)
     with pytest.raises(ValueError, match=r"SplinterModel cannot train with sparse_cp\. .*bidirectional.*" + fix):
         check_model_supports_context_parallel(model)
@@ -90,7 +90,7 @@ def test_the_cp_check_of_an_encoder_not_switched_refuses_it_as_bidirectional(nam
                                          r"\(drop --cp_size\) and with its own attention") as refused:
         check_model_supports_context_parallel(model)
     assert "--sparse_attention true" not in str(refused.value)
-    assert compat.attn_implementation(model.config) == "eager" and is_registered() == registered
+    assert upstream.attn_implementation(model.config) == "eager" and is_registered() == registered
 
 def test_a_causal_decoder_of_an_encoder_family_trains_as_sdpa_does():
     """BERT with is_decoder=True (BertLMHeadModel, causal self-attention: its layers' `is_causal`) on the backend:

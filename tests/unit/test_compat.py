@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from transformers import Trainer, TrainingArguments
 
-from hf_sparse_cp.integration import compat
+from hf_sparse_cp.integration import compat, trainer_losses, upstream
 
 
 def _generating_trainer(tmp_path, name: str):
@@ -42,7 +42,7 @@ def _instances(tmp_path) -> dict:
     trainer = Trainer(model=torch.nn.Linear(2, 2),
                       args=TrainingArguments(str(tmp_path), use_cpu=True, report_to="none"))
     return {"accelerate.Accelerator": trainer.accelerator, "transformers.Trainer": trainer,
-            **{f"trl.{name}Trainer": _generating_trainer(tmp_path, name) for name in compat.GENERATING},
+            **{f"trl.{name}Trainer": _generating_trainer(tmp_path, name) for name in trainer_losses.GENERATING},
             "transformers.trainer_callback.CallbackHandler": trainer.callback_handler,
             "accelerate.PartialState": PartialState(), "accelerate.state.AcceleratorState": AcceleratorState(),
             "accelerate.data_loader.IterableDatasetShard": IterableDatasetShard(range(0)),
@@ -85,11 +85,11 @@ def test_instance_members_are_checked_on_an_instance():
     assert sorted(p.split(" no longer exists")[0] for p in problems) == [
         "accelerate.Accelerator._dataloaders", "accelerate.Accelerator._models"]
     with pytest.raises(RuntimeError, match="_dataloaders"):
-        compat.track_data_loader(NoLoaders(), object())
+        upstream.track_data_loader(NoLoaders(), object())
 
 
 def test_a_member_renamed_in_a_release_is_found_under_either_name():
-    assert compat.cache_field() in ("cache", "past_key_values")
+    assert upstream.cache_field() in ("cache", "past_key_values")
 
 
 def test_the_token_count_version_switch_matches_the_installed_trainer():
@@ -97,7 +97,7 @@ def test_the_token_count_version_switch_matches_the_installed_trainer():
     patched `get_cp_size()` where the Trainer divides by it (transformers >= 5.19), else by our wrapper.
     If a release moves that division, this names the switch to update."""
     divides = "self.get_cp_size()" in inspect.getsource(getattr(Trainer, compat.TRAINER_COUNT_ITEMS))
-    assert compat.token_count_divides_by_get_cp_size() == divides
+    assert upstream.token_count_divides_by_get_cp_size() == divides
 
 
 def test_dp_data_loaders_take_the_settings_accelerate_itself_passes(monkeypatch):
@@ -111,7 +111,7 @@ def test_dp_data_loaders_take_the_settings_accelerate_itself_passes(monkeypatch)
     acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(even_batches=False, data_seed=7,
                                                                           use_seedable_sampler=True))
     acc.prepare_data_loader(torch.utils.data.DataLoader(range(4)))
-    options = compat.dp_data_loader_options(acc)
+    options = upstream.dp_data_loader_options(acc)
     own = {"num_processes", "process_index", "put_on_device", "slice_fn_for_dispatch", "torch_device_mesh"}
     assert set(options) == set(seen) - own
     assert all(options[k] == seen[k] for k in options)
@@ -126,7 +126,7 @@ def test_an_accelerate_option_we_cannot_find_is_named(monkeypatch):
 
     monkeypatch.setattr(accelerate.data_loader, "prepare_data_loader", prepare_data_loader)
     with pytest.raises(RuntimeError, match="'shuffle_harder'.*tested range"):
-        compat.dp_data_loader_options(Accelerator(cpu=True))
+        upstream.dp_data_loader_options(Accelerator(cpu=True))
 
 
 def test_a_member_newer_than_the_installed_release_is_not_missing(monkeypatch):

@@ -452,7 +452,7 @@ def test_models_the_ring_cannot_shard_are_refused():
 def test_a_prediction_output_that_is_not_per_token_is_refused_naming_ignore_keys(shape):
     """Only per-token outputs ([B, the shard's tokens, ...]) are gathered over the sequence for compute_metrics and
     predict(); a MoE's auxiliary loss (a scalar) or router logits (tokens flattened) are each rank's shard's."""
-    from hf_sparse_cp.trainer.context_parallel import whole_sequence_outputs
+    from hf_sparse_cp.trainer.whole_rows import whole_sequence_outputs
 
     ids = torch.randint(3, 100, (2, 40))
     shard = prepare_context_parallel_inputs({"input_ids": ids}, ParallelDims.single(), block_size=16)["cp_shard"]

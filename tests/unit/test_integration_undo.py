@@ -18,7 +18,7 @@ from hf_sparse_cp import (
     is_lean_loss_enabled,
 )
 from hf_sparse_cp.attention.layout import SparseLayout
-from hf_sparse_cp.integration import compat, patching
+from hf_sparse_cp.integration import patching, upstream
 from hf_sparse_cp.integration.patching import PatchSet
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
@@ -61,7 +61,7 @@ def test_enable_and_disable_sparse_attention_round_trip(tmp_path):
     sparse = SparseCPArguments(sparse_attention=True, sparse_gradient_checkpointing_min_length=1024)
     enable_sparse_attention(model, sparse, SparseAttentionConfig(slash_topk=7), training, max_length=4096)
     assert hf_sparse_cp.is_patched() and is_lean_loss_enabled()
-    assert compat.attn_implementation(model.config) == "sparse_cp"
+    assert upstream.attn_implementation(model.config) == "sparse_cp"
     assert model.config.sparse_attention["budget"]["slash_topk"] == 7
     assert checkpointing_enabled(training)
     enable_sparse_attention(model, sparse, SparseAttentionConfig(slash_topk=9), training, max_length=4096)  # replaces
@@ -71,7 +71,7 @@ def test_enable_and_disable_sparse_attention_round_trip(tmp_path):
     disable_sparse_attention(model)
     assert model._forward_pre_hooks == hooks and model.model._forward_pre_hooks == decoder_hooks
     assert not hf_sparse_cp.is_patched() and not is_lean_loss_enabled()
-    assert compat.attn_implementation(model.config) == "sdpa" and not hasattr(model.config, "sparse_attention")
+    assert upstream.attn_implementation(model.config) == "sdpa" and not hasattr(model.config, "sparse_attention")
     assert not checkpointing_enabled(training)
     disable_sparse_attention(model)  # a no-op once disabled
 
@@ -95,7 +95,7 @@ def test_unpatch_leaves_a_registration_made_after_ours():
         hf_sparse_cp.unpatch()
         assert AttentionInterface()["sparse_cp"] is theirs
     finally:
-        compat.unregister(AttentionInterface, "sparse_cp")
+        upstream.unregister(AttentionInterface, "sparse_cp")
 
 
 def test_attach_and_detach_round_trip(tmp_path):
@@ -148,7 +148,7 @@ def test_disable_leaves_the_modules_without_what_the_backend_kept_on_them(tmp_pa
     them, and on a model under CP the forward's shard: none stays after the undo (before: every attention module kept
     `_hf_sparse_cp_layer_config` and the unread `_hf_sparse_cp_kept*`, the model an empty
     `_hf_sparse_cp_cp_forward`)."""
-    from hf_sparse_cp.integration.backend import guard_context_parallel
+    from hf_sparse_cp.integration.call_context import guard_context_parallel
 
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     assert not _plugin_state(model)

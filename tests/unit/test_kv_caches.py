@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotar
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.integration import compat
+from hf_sparse_cp.integration import upstream
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 from oracle import TOLERANCE, rel_rms
@@ -22,7 +22,7 @@ FULL = SparseAttentionConfig(block_size=32, min_seq_len=0, vertical_topk=10**4, 
                              dense_first_layers=0)
 # The forward's cache argument: `cache` from transformers 5.24, `past_key_values` before (where `cache=` would go
 # unread into **kwargs, and every chunk would be computed without the earlier ones).
-CACHE = compat.cache_field()
+CACHE = upstream.cache_field()
 
 
 pytestmark = pytest.mark.usefixtures("patched")

@@ -13,7 +13,7 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 
-from hf_sparse_cp.integration import compat
+from hf_sparse_cp.integration import upstream
 from hf_sparse_cp.integration.call_tokens import NonCausalMask, sparse_cp_mask
 from hf_sparse_cp.integration.compiled import OPS_MIN_TORCH, TORCH_TRACES_THE_OPS
 from hf_sparse_cp.testing.tiny_models import tiny_config
@@ -36,7 +36,7 @@ def _mask(make=create_causal_mask, config=None, attention_mask=None, position_id
     embeds = torch.zeros(2, 40, 8)
     position_ids = torch.arange(40)[None].expand(2, 40) if position_ids is None else position_ids
     return make(config=config or _config(), inputs_embeds=embeds, attention_mask=attention_mask,
-                position_ids=position_ids, **{compat.cache_field(): None}, **kwargs)
+                position_ids=position_ids, **{upstream.cache_field(): None}, **kwargs)
 
 
 def test_causal_windows_and_padding_pass_on_as_the_2d_padding_mask():
@@ -144,10 +144,10 @@ def test_on_a_torch_without_ordered_effects_a_compiled_mask_build_still_refuses(
     """torch 2.6 (setup.cfg's oldest) has no registry of ordered effects: registering `refuse_next_key` as one failed
     the plugin's import there, and unregistered the op would be dropped from the graph (its refusal lost). Without it,
     the registration is skipped and the compiled build runs the refusal outside the graph (a graph break), as before."""
-    from hf_sparse_cp.integration import call_tokens, compat
+    from hf_sparse_cp.integration import call_tokens, upstream
 
-    monkeypatch.setattr(compat, "_release", lambda package: (2, 6, 0))
-    assert compat.register_ordered_effect("hf_sparse_cp::refuse_next_key") is False
+    monkeypatch.setattr(upstream, "release", lambda package: (2, 6, 0))
+    assert upstream.register_ordered_effect("hf_sparse_cp::refuse_next_key") is False
     monkeypatch.setattr(call_tokens, "_REFUSED_IN_GRAPHS", False)
 
     def build(function, positions):

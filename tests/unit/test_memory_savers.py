@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, TrainingArguments
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments, configure
-from hf_sparse_cp.integration import compat
+from hf_sparse_cp.integration import upstream
 from hf_sparse_cp.integration.architectures import rowwise_classes
 from hf_sparse_cp.integration.memory_savers import (
     disable_memory_savers,
@@ -112,7 +112,7 @@ def _model(seed: int = 0):
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2"), attn_implementation="sparse_cp",
                                              dtype=torch.float32)
     configure(model, PATTERN)
-    getattr(model, compat.checkpointing_method())({"use_reentrant": False})
+    getattr(model, upstream.checkpointing_method())({"use_reentrant": False})
     return model.train()
 
 
@@ -165,7 +165,7 @@ def test_tiles_refuse_a_module_not_known_to_be_rowwise():
 def test_offload_without_gradient_checkpointing_is_refused_naming_this_releases_method():
     """The refusal named model.activation_checkpointing_enable(), which transformers has only from 5.23."""
     model = _model()
-    getattr(model, compat.checkpointing_method("disable"))()
+    getattr(model, upstream.checkpointing_method("disable"))()
     enable_memory_savers(model, MemorySavers(offload_layer_inputs=True))
     ids = torch.randint(0, 259, (1, 32))
     with pytest.raises(ValueError, match=r"turn gradient checkpointing on .*model\.(\w+)\(\)") as refused:

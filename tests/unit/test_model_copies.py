@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, TrainingArguments
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments
-from hf_sparse_cp.integration import compat
+from hf_sparse_cp.integration import upstream
 from hf_sparse_cp.integration.lean_loss import is_lean_loss_enabled
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.attach import disable_sparse_attention, enable_sparse_attention
@@ -79,7 +79,7 @@ def test_copies_with_memory_savers_run_their_own_weights_and_undo_on_themselves(
     model = _model()
     training_args = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
     enable_sparse_attention(model, SAVERS, PATTERN, training_args, max_length=96)
-    getattr(model, compat.checkpointing_method())()  # (offload keeps the inputs that checkpointing saves)
+    getattr(model, upstream.checkpointing_method())()  # (offload keeps the inputs that checkpointing saves)
     # transformers' hook that makes the embeddings' output require grad is a local function, which pickle refuses;
     # with every weight trained, that output requires grad anyway
     model.disable_input_require_grads()

@@ -10,7 +10,7 @@ from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.tokens import mask_positions as _mask_positions
 from hf_sparse_cp.attention.tokens import padding_between_tokens as tokens_gap
 from hf_sparse_cp.backends import is_triton_available
-from hf_sparse_cp.integration import compat
+from hf_sparse_cp.integration import upstream
 from hf_sparse_cp.integration.architectures import lean_loss_model_types
 from hf_sparse_cp.integration.backend import sparse_cp_attention_forward
 from hf_sparse_cp.integration.stats import pop_kept_fractions
@@ -116,7 +116,8 @@ def _docs(lengths, seed=2):
 
 
 # Llama 4's decoder layer keeps `position_ids` from its attention call (only its mask packs by them): the backend
-# takes them from the model's forward (`backend.forward_positions`); before, it attended across the documents.
+# takes them from the model's forward (`forward_positions.with_forward_positions`); before, it attended across the
+# documents.
 @pytest.mark.parametrize("model_type", ["qwen2", "llama", "llama4_text"])
 def test_packed_documents_by_position_ids(model_type):
     ref, ours = _pair(model_type)
@@ -526,7 +527,7 @@ def test_a_training_log_shows_its_steps_forward_not_the_generation_in_training_m
         return {key: value for key, value in logs.items() if key.startswith("sparse/kept_fraction/")}
 
     # (reentrant checkpointing: the forward runs without gradients, its recomputation with)
-    getattr(ours, compat.checkpointing_method())({"use_reentrant": True})
+    getattr(ours, upstream.checkpointing_method())({"use_reentrant": True})
     ours(ids).logits.sum().backward()
     ours.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)  # (in training mode, as TRL does)
     assert logged({"loss": 1.0}) == {f"sparse/kept_fraction/layer_0{i}": round(step[i], 5) for i in step}

@@ -4,8 +4,9 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
 import hf_sparse_cp
-from hf_sparse_cp.integration import compat
-from hf_sparse_cp.integration.backend import model_config_for, sparse_cp_attention_forward
+from hf_sparse_cp.integration import upstream
+from hf_sparse_cp.integration.backend import sparse_cp_attention_forward
+from hf_sparse_cp.integration.layer_settings import model_config_for
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 
@@ -36,7 +37,7 @@ def test_unpatch_restores_a_previous_registration():
         hf_sparse_cp.unpatch()
         assert AttentionInterface()["sparse_cp"] is other
     finally:
-        compat.unregister(AttentionInterface, "sparse_cp")
+        upstream.unregister(AttentionInterface, "sparse_cp")
 
 
 def test_configure_stores_config_on_the_model():

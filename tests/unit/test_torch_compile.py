@@ -328,9 +328,9 @@ def test_the_custom_ops_pass_opcheck():
 
 @traces_the_ops
 def test_a_compiled_model_follows_a_new_config(single_thread):
-    """The plan op takes the layer's settings parsed when they were stored (`backend.parsed_layer`), and the trace
-    guards on the config object they came from: configuring the compiled model again (another block size and budget)
-    traces again, and each step keeps the fractions the uncompiled model keeps with the config of the moment."""
+    """The plan op takes the layer's settings parsed when they were stored (`layer_settings.parsed_layer`), and the
+    trace guards on the config object they came from: configuring the compiled model again (another block size and
+    budget) traces again, and each step keeps the fractions the uncompiled model keeps with the config of the moment."""
     other = PATTERN.replace(block_size=32, local_window=32, budget={"mode": "topk", "vertical_topk": 8,
                                                                      "slash_topk": 2})
     model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97, use_cache=False))

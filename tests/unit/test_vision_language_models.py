@@ -10,7 +10,7 @@ from transformers import AutoModelForImageTextToText
 
 import hf_sparse_cp
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.integration import compat
+from hf_sparse_cp.integration import upstream
 from hf_sparse_cp.integration.models import check_model_supports_context_parallel
 from hf_sparse_cp.integration.stats import pop_kept_fractions
 from hf_sparse_cp.testing.tiny_vlms import tiny_vlm_config, with_image
@@ -61,7 +61,7 @@ def test_a_vision_language_model_trains_sparse_attention_in_its_language_model_a
     implementations = {type(m).__name__: m.config._attn_implementation for m in model.modules() if hasattr(m, "config")}
     towers = {type(m).__name__ for m in model.modules() if getattr(m, "config", None) is model.config.vision_config}
     assert towers and {implementations[t] for t in towers} == {"sdpa"}
-    assert compat.attn_implementation(model.config.get_text_config()) == "sparse_cp"
+    assert upstream.attn_implementation(model.config.get_text_config()) == "sparse_cp"
     logits, grads = _errors(ref, model, _batch(model.config, image))
     assert logits <= 1e-12 and grads <= 1e-10, (logits, grads)
     assert len(pop_kept_fractions(model)) == model.config.get_text_config().num_hidden_layers  # (every layer sparse)
@@ -100,7 +100,7 @@ def test_a_prefix_lm_language_model_is_refused_by_configure():
     hf_sparse_cp.patch()
     with pytest.raises(ValueError, match=r"bidirectional attention layers \(model.language_model.layers.0.self_attn"):
         hf_sparse_cp.configure(model)
-    assert compat.attn_implementation(model.config) == "sdpa"
+    assert upstream.attn_implementation(model.config) == "sdpa"
 
 
 @pytest.mark.parametrize("model_type, layer", [("llava", "CLIPAttention, model type 'clip_vision_model'"),
@@ -121,11 +121,11 @@ def test_a_tower_loaded_on_the_backend_moves_to_sdpa_and_the_switch_is_undone(mo
                                          r"hf_sparse_cp.configure\(model\).*'vision_config': 'sdpa'"):
         model(**batch)
     enable_sparse_attention(model, SparseCPArguments(sparse_attention=True), KEEP_ALL)
-    assert compat.attn_implementation(model.config.vision_config) == "sdpa"
-    assert compat.attn_implementation(model.config.text_config) == "sparse_cp"
+    assert upstream.attn_implementation(model.config.vision_config) == "sdpa"
+    assert upstream.attn_implementation(model.config.text_config) == "sparse_cp"
     model(**batch)
     disable_sparse_attention(model)
-    assert compat.attn_implementation(model.config.vision_config) == "sparse_cp"
+    assert upstream.attn_implementation(model.config.vision_config) == "sparse_cp"
 
 
 @pytest.mark.parametrize("model_type, tower", [("mistral3", "vision_config"), ("voxtral", "audio_config"),
