@@ -204,7 +204,25 @@ def _refuse_adapter(path: str, file: Path) -> None:
     named = f" (`{base}/config.json`)" if base else ""
     raise ValueError(f"--config {path}: a PEFT adapter (adapter_config.json), not a model: give its base model's "
                      f"config.json{named}; the prediction is then full fine-tuning's, which overstates the adapter's "
-                     "training (its frozen weights need no gradients or optimizer state).")
+                     "training (its frozen weights need no gradients or optimizer state)"
+                     f"{_lora_flags(adapter)}.")
+
+
+def _lora_flags(adapter: Path) -> str:
+    """`hf-sparse-cp memory`'s flags for the LoRA training of the adapter whose adapter_config.json is `adapter`
+    (its r, target_modules and lora_dropout), as a clause of `_refuse_adapter`'s message; '' for another adapter."""
+    try:
+        data = json.loads(adapter.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return ""
+    if not isinstance(data, dict) or data.get("peft_type") != "LORA" or not isinstance(data.get("r"), int):
+        return ""
+    targets = data.get("target_modules")
+    targets = [targets] if isinstance(targets, str) else sorted(targets) if isinstance(targets, list) else []
+    flags = f"--lora-rank {data['r']}" + (f" --lora-targets {' '.join(targets)}" if targets else "") + (
+        f" --lora-dropout {data['lora_dropout']:g}" if isinstance(data.get("lora_dropout"), float | int)
+        and data["lora_dropout"] else "")
+    return f"; `hf-sparse-cp memory` predicts the adapter's training with {flags}"
 
 
 def _special_floats(value: Any) -> Any:

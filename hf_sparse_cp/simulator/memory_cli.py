@@ -6,6 +6,7 @@ with and without context parallelism, and where the bytes of a step go (predicti
     hf-sparse-cp memory --model qwen2.5-3b --gpu-memory 80GB --cp 8 --fsdp 8 --seq-len 1048576
     hf-sparse-cp memory --config Meta-Llama-3-8B/config.json --gpu-memory 40GB --cp 4 --fsdp 4 --seq-len 131072
     hf-sparse-cp memory --model qwen2.5-0.5b --gpu-memory auto --quiet     # the length alone, for scripts
+    hf-sparse-cp memory --model qwen2.5-0.5b --gpu-memory 80GB --lora-rank 16 --seq-len 262144   # a LoRA fine-tune
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .arguments import (
     write_output,
 )
 from .kept_curve import DEFAULT_CURVE, KeptCurve
+from .lora import ALL_LINEAR, DEFAULT_TARGETS, MODULE_INPUTS, LoraSettings, resolve_targets
 from .memory_model import (
     GIB,
     PRESETS,
@@ -92,7 +94,9 @@ def _gb(n: float) -> str:
 
 
 def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
-    aliases = {"--cp_size": "--cp", **CHECKPOINTING_ALIAS}
+    # (training's names: --cp_size; TRL's --use_peft flags for LoRA)
+    aliases = {"--cp_size": "--cp", "--lora_r": "--lora-rank", "--lora_target_modules": "--lora-targets",
+               **CHECKPOINTING_ALIAS}
     p = FlagParser(prog=prog, description=__doc__, formatter_class=HelpFormatter, aliases=aliases)
     add_model_arguments(p, PRESETS, default=None)
     p.add_argument("--gpu-memory", default="80GB",
@@ -125,6 +129,17 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
                    help="With --optimizer smet: SMET's active fraction of the layer matrices (--smet_density).")
     p.add_argument("--loss-backend", default="torch", choices=("torch", "liger"),
                    help="The lean loss: chunked PyTorch (default) or liger-kernel's (when installed).")
+    p.add_argument("--lora-rank", type=at_least(1), default=None,
+                   help="A LoRA fine-tune (PEFT's get_peft_model; TRL's --use_peft --lora_r, which is taken too): "
+                   "adapters of this rank on --lora-targets in every decoder layer, the base model frozen (its "
+                   "weights without gradients or optimizer state; the adapters' in fp32). Default: full fine-tuning.")
+    p.add_argument("--lora-targets", nargs="+", default=None, metavar="MODULE",
+                   help=f"With --lora-rank: the layer matrices adapted ({', '.join(MODULE_INPUTS)}, or '{ALL_LINEAR}'; "
+                   f"TRL's --lora_target_modules is taken too). Default: PEFT's for the Llama-like families, "
+                   f"{' '.join(DEFAULT_TARGETS)}.")
+    p.add_argument("--lora-dropout", type=float, default=0.0,
+                   help="With --lora-rank: LoRA's dropout, in [0, 1) (PEFT's lora_dropout; TRL's --lora_dropout "
+                   "defaults to 0.05): above 0 every adapted input keeps a dropout mask and its own dropped copy.")
     add_checkpointing_argument(p)
     p.add_argument("--token-tiling-min-length", type=at_least(0), default=TILING_MIN_LENGTH,
                    help="MLPs and RMSNorms in token tiles from this length on, as the plugin's "
@@ -156,6 +171,21 @@ def _pattern(args) -> SparseAttentionConfig:
         SparseAttentionConfig()
 
 
+def lora_settings(args) -> LoraSettings | None:
+    """The LoRA fine-tune --lora-rank, --lora-targets and --lora-dropout describe (None: full fine-tuning);
+    ValueError naming the flag and the fix for values that describe none."""
+    if args.lora_rank is None:
+        return None
+    if args.lora_targets and ALL_LINEAR in args.lora_targets and len(args.lora_targets) > 1:
+        raise ValueError(f"--lora-targets {' '.join(args.lora_targets)}: '{ALL_LINEAR}' adapts every layer matrix; "
+                         "give it alone, or the module names alone.")
+    try:
+        return LoraSettings(args.lora_rank, resolve_targets(args.lora_targets), args.lora_dropout)
+    except ValueError as e:
+        flag = "--lora-dropout" if "dropout" in str(e).split(":")[0] else "--lora-targets"
+        raise ValueError(f"{flag}: {e}") from None
+
+
 def settings_for_length(args, arch: Architecture) -> callable:
     """The step settings for each sequence length, as the plugin picks them (token tiles from a length on, for a model
     whose modules training tiles: `Architecture.token_tiles`)."""
@@ -166,7 +196,7 @@ def settings_for_length(args, arch: Architecture) -> callable:
     base = StepSettings(dtype=args.dtype, master_weights=args.master_weights, optimizer=args.optimizer,
                         smet_density=args.smet_density, cp=args.cp, head_size=head_size, fsdp=args.fsdp,
                         max_token_ratio=args.cp_planner_max_token_ratio if args.cp_sharding == "document" else None,
-                        pattern=pattern, loss_backend=args.loss_backend, kept_curve=curve)
+                        pattern=pattern, loss_backend=args.loss_backend, kept_curve=curve, lora=lora_settings(args))
 
     def settings(seq_len: int) -> StepSettings:
         tiled = arch.token_tiles and from_min_length(args.token_tiling_min_length, seq_len)
@@ -203,6 +233,13 @@ def _check_read(args, parser: argparse.ArgumentParser, given: set[str], pattern:
     """Refuse a flag that the other settings given would not read (silently ignored otherwise), naming both and the
     fix."""
     refuse_group_settings_without_cp(args, parser, [args.cp])  # (as training refuses them at CP 1, and simulate)
+    unread_lora = sorted({"lora_targets", "lora_dropout"} & given)
+    if unread_lora and args.lora_rank is None:
+        parser.error(f"--{unread_lora[0].replace('_', '-')} describes a LoRA fine-tune's adapters; without --lora-rank "
+                     "(full fine-tuning) it would be ignored: drop it, or give --lora-rank R (e.g. 16).")
+    if args.lora_rank is not None and args.optimizer == "smet":
+        parser.error("--optimizer smet with --lora-rank: SMET's compact state is for full fine-tuning's layer "
+                     "matrices, which LoRA freezes; use --optimizer adamw for the adapters, or drop --lora-rank.")
     if "smet_density" in given and args.optimizer != "smet":
         parser.error(f"--smet-density {args.smet_density} is SMET's active fraction (--optimizer smet); with "
                      f"--optimizer {args.optimizer} it would be ignored: drop it, or use --optimizer smet.")
@@ -264,7 +301,12 @@ def predict(args: argparse.Namespace, capacity: float, arch: Architecture | None
     budget = args.usable_fraction * capacity
     longest = longest_length(args, arch, budget)
     margin = longest_length(args, arch, budget / MEASURED_BAND[1])
-    report = {"model": model_name(args), "parameters": arch.params, "gpu_memory_bytes": capacity,
+    lora = settings(1).lora
+    report = {"model": model_name(args), "parameters": arch.params,
+              "lora": None if lora is None else {"rank": lora.rank, "targets": list(lora.targets),
+                                                 "dropout": lora.dropout,
+                                                 "trainable_parameters": lora.params(arch.shape)},
+              "gpu_memory_bytes": capacity,
               "usable_bytes": budget,
               "settings": {k: v for k, v in vars(args).items() if k not in ("json", "quiet", "seq_len")},
               "longest_fitting_tokens": longest, "longest_fitting_tokens_at_band_top": margin,
@@ -343,6 +385,14 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
                          f"and RMSNorms only ({', '.join(LEAN_LOSS_FAMILIES)}) and refuses them for "
                          f"{model_name(args)}; drop it (its answer is without tiles, as it trains with "
                          "--sparse_token_tiling_min_length 0).")
+        if args.lora_rank is not None and not arch.lean_loss:
+            parser.error(f"--lora-rank: LoRA is modelled on the Llama-like families' decoder layers "
+                         f"({', '.join(LEAN_LOSS_FAMILIES)}), whose matrices and saved tensors it counts, not on "
+                         f"{model_name(args)}'s; drop --lora-rank for full fine-tuning's answer (an upper bound), or "
+                         "give one of those models.")
+        lora = lora_settings(args)
+        if lora is not None:
+            lora.check(arch.shape, f"--lora-rank {args.lora_rank}")
         settings = settings_for_length(args, arch)
         settings(1)  # validates the settings
         predict_step_memory(arch, 1024, settings(1024))  # and them on this model (a head split its heads allow)
@@ -361,9 +411,12 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
         (f", FSDP {args.fsdp}" if args.fsdp > 1 else "")
     precision = (f"fp32 weights + {args.dtype} autocast (the Trainer's mixed precision; --no-master-weights: all "
                  f"{args.dtype})" if settings(1).autocast else f"all {args.dtype} (a model loaded in {args.dtype})")
-    print(f"{report['model']} ({_parameters(arch.params)} parameters), {precision}, {args.optimizer}, {where}, one GPU "
-          f"of {_gb(capacity)} ({_gb(budget)} usable). Predictions of hf_sparse_cp.simulator.memory_model, not "
-          "measurements.")
+    lora = settings(1).lora
+    tuned = "full fine-tuning" if lora is None else \
+        f"{lora.describe()}: {_parameters(lora.params(arch.shape))} trained parameters"
+    print(f"{report['model']} ({_parameters(arch.params)} parameters), {tuned}, {precision}, {args.optimizer}, "
+          f"{where}, one GPU of {_gb(capacity)} ({_gb(budget)} usable). Predictions of "
+          "hf_sparse_cp.simulator.memory_model, not measurements.")
     if not arch.token_tiles and args.token_tiling_min_length:
         print(f"Without token tiles: training runs them on the Llama-like families' modules only and refuses them for "
               f"{report['model']}, which trains with --sparse_token_tiling_min_length 0.")

@@ -38,6 +38,7 @@ from ..config.model_fields import LEAN_LOSS_FAMILIES, decoder_layers
 from ..distributed.heads.split import HeadSplit
 from ..memory.savers import MemorySavers
 from .kept_curve import DEFAULT_CURVE, KeptCurve
+from .lora import MODULE_INPUTS, LoraSettings, module_features
 from .shapes import MODELS, LayerSaved, ModelShape, check_decoder, layer_saved, meta_model
 
 GIB = 2**30
@@ -220,6 +221,11 @@ class StepSettings:
                   "measures)."})
     loss_backend: Literal["torch", "liger"] = field(
         default="torch", metadata={"help": "The lean loss: chunked PyTorch, or liger-kernel's fused kernel (CUDA)."})
+    lora: LoraSettings | None = field(
+        default=None,
+        metadata={"help": "LoRA adapters (`lora.LoraSettings`): the base model frozen, its weights in their dtype "
+                  "without gradients or optimizer state, the adapters' in fp32 with theirs; the layers save what the "
+                  "frozen matrices and the adapters keep. None: full fine-tuning."})
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -232,6 +238,9 @@ class StepSettings:
             raise ValueError(f"head_size={self.head_size} must divide cp={self.cp} (whole head groups).")
         if not 0.0 < self.smet_density <= 1.0:
             raise ValueError(f"smet_density={self.smet_density} must be in (0, 1].")
+        if self.lora is not None and self.optimizer == "smet":
+            raise ValueError("optimizer='smet' with LoRA: SMET's compact state is for full fine-tuning's layer "
+                             "matrices, which LoRA freezes; use optimizer='adamw' for the adapters.")
         for name, allowed in (("optimizer", ("adamw", "smet", "none")), ("device", ("cuda", "cpu")),
                               ("loss_backend", ("torch", "liger"))):
             if getattr(self, name) not in allowed:
@@ -506,6 +515,15 @@ class _Step:
                              "trains (--sparse_token_tiling_min_length 0).")
         self.arch, self.s = arch, s
         sh = arch.shape
+        # LoRA: the adapters' parameters, of one layer and of the model (0: full fine-tuning); checked on the shape
+        self.lora = s.lora
+        if s.lora is not None:
+            if not arch.lean_loss:
+                raise ValueError(f"{arch.name}: LoRA is modelled on the Llama-like families' decoder layers "
+                                 f"({', '.join(LEAN_LOSS_FAMILIES)}), whose matrices and saved tensors it counts; "
+                                 "predict this model without LoRA (full fine-tuning, an upper bound), or one of those.")
+            s.lora.check(sh, arch.name)
+        self.layer_adapters = s.lora.layer_params(sh) if s.lora else 0
         self.t = rank_tokens(seq_len, s)
         self.tape = _Tape(self.t)
         self.a = DTYPE_BYTES[s.dtype]
@@ -546,8 +564,8 @@ class _Step:
         """What the current layer saves besides its attention core and MLP, measured (`Architecture.layer_saved`);
         None where it is the Llama layer's counted here: a preset's, and with token tiles (which replace the
         Llama-like families' modules only)."""
-        if self.arch.layer_saved is None or self.s.savers.tiled:
-            return None
+        if self.arch.layer_saved is None or self.s.savers.tiled or self.lora is not None:
+            return None  # (LoRA: the Llama layer's tensors with its matrices frozen, `lora_saved`)
         return self.arch.layer_saved[self.s.dtype][self.layer]
 
     @property
@@ -580,6 +598,9 @@ class _Step:
         tape.transient("RMSNorm fp32 copies", per_token=4 * h)  # pow(2); then x * rsqrt
         normed = tape.alloc("RMSNorm fp32 copies", per_token=a * h + (4 if grad else 0))  # (+ rsqrt)
         out = tape.alloc("attention tensors", per_token=a * h)
+        if grad and self.lora is not None:  # a frozen weight's product keeps no normalized input: rsqrt alone
+            tape.free(normed)
+            return [x32, tape.alloc("RMSNorm fp32 copies", per_token=4)], out
         if grad:
             return [x32, normed], out
         tape.free(x32, normed)
@@ -666,6 +687,27 @@ class _Step:
         tape.free(m)
         return []
 
+    def lora_saved(self, source: str) -> tuple[list[int], bool]:
+        """What the LoRA adapters on the matrices reading `source` (`lora.MODULE_INPUTS`) save for backward (see
+        `simulator.lora`): per adapter its input's copy (fp32 adapters of a 16-bit model: fp32; under autocast: the
+        compute dtype), a dropout mask (a bool per element on CUDA, fp32 noise on a CPU) and lora_A's rank-wide output;
+        and whether `source` itself stays saved instead of a copy (fp32 adapters of an fp32 model, without dropout,
+        save the input as it is, once for the targets sharing it). Token tiles run the MLP's adapters inside their
+        tiles: nothing beyond the tile's input."""
+        targets = [name for name in self.lora.targets if MODULE_INPUTS[name] == source]
+        if not targets or (self.s.savers.tiled and source in ("norm2", "mlp")):
+            return [], False
+        a, rank, dropout = self.a, self.lora.rank, self.lora.dropout
+        c = a if self.autocast else 4
+        shared = not self.autocast and a == 4 and not dropout
+        mask = (1 if self.s.device == "cuda" else 4) if dropout else 0
+        handles = []
+        for name in targets:
+            features = module_features(self.arch.shape, name)[0]
+            handles.append(self.tape.alloc("recomputed layer: saved activations",
+                                           per_token=rank * c + features * ((0 if shared else c) + mask)))
+        return handles, shared
+
     # -- a decoder layer
 
     def layer_forward(self) -> int:
@@ -699,13 +741,35 @@ class _Step:
         saves_input = self.s.savers.tiled or not self.norm32  # the tiled norm saves its input; so does an fp32 one
         saved1, n1 = self.norm(True)
         att = self.attention(True)
+        lora, lora_mlp = [], []  # (LoRA: frozen matrices save no input; the adapters save theirs)
+        if self.lora is not None:
+            lora, keep = self.lora_saved("norm1")
+            if not keep:
+                tape.free(n1)
+                n1 = None
         o = tape.alloc("attention tensors", per_token=a * h)
+        if self.lora is not None:
+            adapters, keep = self.lora_saved("attention")
+            lora += adapters
+            if not keep and (self.s.device == "cpu" or self.s.cp > 1):  # o_proj's own copy of its input
+                tape.free(att[-1])
+                att[-1] = None
         h1 = tape.alloc("attention tensors", per_token=a * h)
         tape.free(o)
         if layer_input is not None and not saves_input:
             tape.free(layer_input)
         saved2, n2 = self.norm(True)
         mlp = self.mlp(True)
+        if self.lora is not None:
+            lora_mlp, keep = self.lora_saved("norm2")
+            if not keep and not self.s.savers.tiled:  # (a tile's MLP saves its input)
+                tape.free(n2)
+                n2 = None
+            adapters, keep = self.lora_saved("mlp")
+            lora_mlp += adapters
+            if not keep and mlp and self.arch.shape.gated:  # down_proj's input (act * up)
+                tape.free(mlp[-1])
+                mlp[-1] = None
         out = None
         if layer_input is None:
             tape.transient("attention tensors", per_token=a * h)  # the MLP's output, made before the stop
@@ -717,7 +781,8 @@ class _Step:
             saved2.append(h1)
         else:
             tape.free(h1)
-        groups = {"norm1": saved1 + [n1], "attention": att, "norm2": saved2 + [n2], "mlp": mlp}
+        groups = {"norm1": [x for x in (*saved1, n1) if x is not None], "attention": att,
+                  "norm2": [x for x in (*saved2, n2) if x is not None], "mlp": mlp, "lora": lora, "lora_mlp": lora_mlp}
         measured = self.measured
         if measured is not None:  # the layer's own tensors in place of the Llama layer's, freed as theirs
             tape.free(*groups["norm1"], *groups["norm2"])
@@ -729,8 +794,8 @@ class _Step:
         if layer_input is not None and saves_input:  # (after the measured tensors, which leave the input out)
             groups["norm1"].append(layer_input)
         saved_term = "recomputed layer: saved activations" if layer_input is None else "layers' saved activations"
-        for name in ("norm1", "attention", "norm2"):  # reported as one term (the MLP's and the layout apart)
-            for handle in groups[name]:
+        for name in ("norm1", "attention", "norm2", "lora", "lora_mlp"):  # one term (the MLP's and layout apart)
+            for handle in filter(None, groups[name]):
                 term, p, c = tape.live[handle]
                 if term != "attention layouts":
                     tape.live[handle] = (saved_term, p, c)
@@ -742,7 +807,10 @@ class _Step:
         tape, a, h, i, q, kv, hq = self.tape, self.a, self.h, self.i, self.q_att, self.kv_att, self.hq_att
         sh = self.arch.shape
         if self.s.savers.tiled:  # fp32 weight-gradient sums; per tile: the recomputed intermediates and theirs
-            sums = tape.alloc("MLP intermediate", const=sh.mlp_matrices * h * i * 4)
+            trained = sh.mlp_matrices * h * i if self.lora is None else sum(  # (LoRA: the MLP's adapters' only)
+                self.lora.rank * sum(module_features(sh, name)) for name in self.lora.targets
+                if MODULE_INPUTS[name] in ("norm2", "mlp"))
+            sums = tape.alloc("MLP intermediate", const=trained * 4)
             g_n2 = tape.alloc("hidden-state gradients", per_token=a * h)
             tape.transient("MLP intermediate", *self.tiles((sh.mlp_saved + sh.mlp_matrices) * a * i))
             tape.free(sums)
@@ -767,7 +835,7 @@ class _Step:
             tape.free(gu, gg)
         # post-attention RMSNorm backward: a few fp32 temporaries of the input's size (tiled: one tile's)
         tape.transient("RMSNorm fp32 copies", *self.tiles(3 * 4 * h))
-        tape.free(*saved["norm2"])
+        tape.free(*saved["norm2"], *saved.get("lora_mlp", ()))
         g_h1 = tape.alloc("hidden-state gradients", per_token=a * h)  # + the residual's gradient (grad_out)
         tape.free(g_n2, grad_out)
         g_att = tape.alloc("hidden-state gradients", per_token=a * self.q)  # o_proj backward
@@ -807,7 +875,7 @@ class _Step:
         g_n1 = tape.alloc("hidden-state gradients", per_token=a * h)  # q/k/v projections backward
         tape.free(*grads)
         tape.transient("RMSNorm fp32 copies", *self.tiles(3 * 4 * h))
-        tape.free(*saved["norm1"])
+        tape.free(*saved["norm1"], *saved.get("lora", ()))
         out = tape.alloc("hidden-state gradients", per_token=a * h)
         tape.free(g_n1, g_h1)
         return out
@@ -816,14 +884,17 @@ class _Step:
         arch, s, tape, a, w, h = self.arch, self.s, self.tape, self.a, self.w, self.h
         n_layers = arch.shape.layers
         tape.phase = "forward"
-        tape.alloc("weights", const=arch.params * w / s.fsdp)
+        # (LoRA: the frozen base's weights in their dtype, the adapters' in fp32; only the adapters train)
+        adapters, lora = self.layer_adapters, self.lora is not None
+        tape.alloc("weights", const=(arch.params * w + n_layers * adapters * 4) / s.fsdp)
         tape.alloc("optimizer state", const=_optimizer_state(arch, s))
         if s.fsdp > 1:  # FSDP2: the current layer's gathered weights and the next one's (prefetch)
-            tape.alloc("FSDP gathered layers", const=2 * arch.layer_params * w)
+            tape.alloc("FSDP gathered layers", const=2 * (arch.layer_params * w + adapters * 4))
         tape.alloc("inputs and token metadata", per_token=8 * 4 + 12)  # ids, labels, positions, shifted labels
         tape.alloc("rotary cos/sin", per_token=2 * arch.shape.head_dim * a)
         checkpointing = s.gradient_checkpointing
-        casts = tape.alloc("autocast weight copies", const=n_layers * arch.layer_params * a) \
+        # (autocast caches the copies of the weights that train: a frozen weight is cast at each use, its copy freed)
+        casts = tape.alloc("autocast weight copies", const=n_layers * (adapters if lora else arch.layer_params) * a) \
             if self.autocast and checkpointing else None
         # without checkpointing: each layer's autocast copies (which its saved tensors hold) and saved tensors, kept
         # to its backward; its input (`floor`) freed by its forward or saved with its first norm's tensors
@@ -835,7 +906,7 @@ class _Step:
             if checkpointing:
                 floor.append(self.layer_forward())
                 continue
-            layer_casts.append(tape.alloc("autocast weight copies", const=arch.layer_params * a)
+            layer_casts.append(tape.alloc("autocast weight copies", const=(arch.layer_params + adapters) * a)
                                if self.autocast else None)
             saved, out = self.layer_with_grad(floor[-1])
             floor[-1] = None
@@ -854,7 +925,7 @@ class _Step:
         if casts is not None:
             tape.free(casts)
         if arch.lean_loss:
-            tape.alloc("gradients", const=arch.embedding_params * w / s.fsdp)  # the LM head's, from the loss
+            tape.alloc("gradients", const=0 if lora else arch.embedding_params * w / s.fsdp)  # the LM head's
             tape.free(*loss_saved[1:])
             grad_hidden = loss_saved[0]
         else:
@@ -867,19 +938,22 @@ class _Step:
             self.layer, self.window = layer, self.windows[layer]
             if checkpointing:
                 copied = tape.alloc("saved layer inputs", per_token=a * h) if self.offload else None
-                cast = tape.alloc("autocast weight copies", const=arch.layer_params * a) if self.autocast else None
+                cast = tape.alloc("autocast weight copies", const=(arch.layer_params + adapters) * a) \
+                    if self.autocast else None  # (which the frozen matrices' products save for the input's gradient)
                 saved = self.layer_recompute()
             else:
                 copied, cast, saved = None, layer_casts[layer], layer_saved[layer]
-            tape.alloc("gradients", const=arch.layer_params * w / s.fsdp)
+            trained = adapters * 4 if lora else arch.layer_params * w  # (the layer's gradients' bytes)
+            tape.alloc("gradients", const=trained / s.fsdp)
             # FSDP2: the layer's unsharded gradient, freed once reduce-scattered into the shard as its backward ends
-            unsharded = tape.alloc("gradients", const=arch.layer_params * w) if s.fsdp > 1 else None
+            unsharded = tape.alloc("gradients", const=trained) if s.fsdp > 1 else None
             grad = self.layer_backward(saved, grad)
             tape.free(copied, cast, floor[layer], unsharded)
         # the gradients of the parameters outside the layers and the embedding (position embeddings, the final norm,
         # an LM head's bias), and the embedding's dense gradient
-        tape.alloc("gradients", const=arch.model_extra * w / s.fsdp)
-        tape.transient("gradients", const=arch.embedding_params * 4)
+        if not lora:  # (LoRA: frozen)
+            tape.alloc("gradients", const=arch.model_extra * w / s.fsdp)
+            tape.transient("gradients", const=arch.embedding_params * 4)
         tape.free(grad)
 
         tape.phase = "optimizer"
@@ -918,25 +992,27 @@ def _loss(tape: _Tape, arch: Architecture, s: StepSettings, t: int, a: int, w: i
         kept = tape.alloc("loss: logits", per_token=4 * v)
         tape.free(logits, copy)
         return [kept]
+    trained = s.lora is None  # (LoRA freezes the LM head: both losses skip its weight's gradient)
     if s.loss_backend == "liger":
         # liger-kernel 0.8.5: chunks of next_pow2(ceil(T / ceil(V / H))) tokens; logits in the input dtype;
         # weight-gradient accumulator in the weight's dtype; the input's gradient; an fp32 loss per token
         chunk = min(t, 2 ** math.ceil(math.log2(max(1, math.ceil(t / math.ceil(v / h))))))
         grad_h = tape.alloc("loss: hidden gradient", per_token=a * h + 4)
-        grad_w = tape.alloc("loss: weight-gradient buffers", const=vh * w)
+        grad_w = tape.alloc("loss: weight-gradient buffers", const=vh * w * trained)
         tape.transient("loss: logits chunk", const=chunk * v * a)
         return [grad_h, grad_w]
     chunk = max(1, min(t, (256 * 2**20) // (4 * v)))  # hf_sparse_cp.loss.chunked.default_chunk_size
     grad_h = tape.alloc("loss: hidden gradient", per_token=a * h + 9)  # + the valid flags and targets
-    acc = tape.alloc("loss: weight-gradient buffers", const=vh * 4)
+    acc = tape.alloc("loss: weight-gradient buffers", const=vh * 4 * trained)
     # A chunk: fp32 logits, and logsumexp's (logits - max); the previous chunk's gradient (in the input dtype;
     # fp32: the previous logits buffer) is released only when the loop rebinds it, after this chunk's logits.
     previous = chunk * v * min(a, 4) if t > chunk else 0
     tape.transient("loss: logits chunk", const=previous + chunk * v * 8)
     if a < 4:  # the chunk's gradient in the input dtype, and grad.T @ h before its fp32 add (on a CPU the add
         # first copies it to fp32)
-        tape.transient("loss: logits chunk", const=chunk * v * a + vh * (a + (4 if s.device == "cpu" else 0)))
-    kept = tape.alloc("loss: weight-gradient buffers", const=vh * w)  # saved for backward in the weight dtype
+        tape.transient("loss: logits chunk",
+                       const=chunk * v * a + vh * (a + (4 if s.device == "cpu" else 0)) * trained)
+    kept = tape.alloc("loss: weight-gradient buffers", const=vh * w * trained)  # saved for backward in the weight dtype
     tape.free(acc)
     return [grad_h, kept]
 
@@ -951,7 +1027,7 @@ def _stock_loss_backward(tape: _Tape, arch: Architecture, s: StepSettings, saved
     tape.free(nll, *saved)
     logits = tape.alloc("loss: logits", per_token=a * v * (a < 4))  # (fp32 logits: the log-softmax's gradient)
     tape.free(log_softmax)
-    tape.alloc("gradients", const=arch.embedding_params * w / s.fsdp)
+    tape.alloc("gradients", const=0 if s.lora else arch.embedding_params * w / s.fsdp)
     grad = tape.alloc("hidden-state gradients", per_token=a * arch.shape.hidden)
     tape.free(logits, hidden)
     return grad
@@ -961,6 +1037,8 @@ def _optimizer_state(arch: Architecture, s: StepSettings) -> float:
     w = s.weight_bytes
     if s.optimizer == "none":
         return 0.0
+    if s.lora is not None:  # the adapters' fp32 moments (SMET with LoRA is refused)
+        return 2 * s.lora.params(arch.shape) * 4 / s.fsdp
     if s.optimizer == "adamw":
         return 2 * arch.params * w / s.fsdp
     # SMET: compact moments of the active blocks of every layer matrix, an index and a step counter per block
@@ -976,6 +1054,8 @@ def _optimizer_temporaries(arch: Architecture, s: StepSettings) -> float:
     w = s.weight_bytes
     if s.optimizer == "none":
         return 0.0
+    if s.lora is not None:  # (the adapters': fp32)
+        return (s.lora.params(arch.shape) if s.device == "cuda" else 2 * s.lora.largest_param(arch.shape)) * 4 / s.fsdp
     if s.device == "cuda":
         return arch.params * w / s.fsdp
     return 2 * max(arch.embedding_params, arch.largest_param) * w / s.fsdp
@@ -996,7 +1076,7 @@ def recomputed_layer_bytes(arch: Architecture, seq_len: int, settings: StepSetti
     out = {name: 0.0 for name in groups}
     out["layout"] = 0.0
     for name, handles in groups.items():
-        for handle in handles:
+        for handle in filter(None, handles):
             term, p, c = step.tape.live[handle]
             out["layout" if term == "attention layouts" else name] += p * step.t + c
     return out
