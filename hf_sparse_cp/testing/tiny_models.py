@@ -286,11 +286,13 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
     window: layer_types that default to sliding layers become full attention unless a `sliding_window` is given,
     the window then unused; half of a head's dimensions rotary where the config counts them (`rotary_dim`: CodeGen
     and GPT-J rotate 16 of 32, interleaved); a mixture of experts: `TINY_EXPERTS`; latent attention: `TINY_MLA`; a
-    decoder sized apart from its encoder: `TINY_DECODER`); any field can be overridden. A field the architecture
-    derives from others (Falcon's `head_dim`) is left to it; an override of one it derives otherwise is a ValueError
-    that names it, and so is a config transformers refuses to build from these fields, and a type that keeps its
-    language model in a sub-config these fields do not reach (a vision-language model's), naming the language
-    model's type."""
+    decoder sized apart from its encoder: `TINY_DECODER`; a hybrid whose two layers would hold no attention: an
+    attention layer last, placed by its own fields (`_attention_placements`); a field the family's defaults leave
+    unset that its model needs: given (`_repaired_for_its_model`)); any field can be overridden. A field the
+    architecture derives from others (Falcon's `head_dim`) is left to it; an override of one it derives otherwise is a
+    ValueError that names it, and so is a config transformers refuses to build from these fields, and a type that
+    keeps its language model in a sub-config these fields do not reach (a vision-language model's), naming the
+    language model's type."""
     fields = dict(TINY_FIELDS, vocab_size=vocab_size)
     fields["sliding_window"] = None
     if model_type not in CONFIG_MAPPING:
@@ -384,7 +386,7 @@ def _first_config(model_type: str, config_class: type, given: dict, overrides: d
     """(config, the fields that built it, whether they give a window no layer reaches): `given`, else the first
     repair of it under which transformers builds the config: a window no layer reaches (EXAONE-MoE, Laguna: an int
     window only; EXAONE 4, Kolibri: sliding layers need one), the tiny fields its complaint names left at the
-    family's defaults (DBRX ties no embeddings; ZAYA routes each token to one expert), an attention layer placed
+    family's defaults where its model then builds (ZAYA routes each token to one expert), an attention layer placed
     last (Zamba's layer kinds, sized for more layers than two). An override is never repaired; the first complaint
     is the one raised."""
     try:
@@ -399,7 +401,9 @@ def _first_config(model_type: str, config_class: type, given: dict, overrides: d
     for edit, dropped in repairs:
         fields = {name: value for name, value in {**given, **edit}.items() if name not in dropped}
         with contextlib.suppress(Exception):
-            return AutoConfig.for_model(model_type, **fields), fields, "sliding_window" in edit
+            config = AutoConfig.for_model(model_type, **fields)
+            if not dropped or _model_builds(config):  # (DBRX without tied embeddings: its attention sub-config,
+                return config, fields, "sliding_window" in edit  # which no tiny field reaches, builds no model)
     placed = _placed_attention(model_type, config_class, given, overrides)
     if placed:
         return (*placed, False)
