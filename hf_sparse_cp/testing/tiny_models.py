@@ -7,13 +7,14 @@ import contextlib
 import copy
 import inspect
 import math
+import re
 from itertools import chain
 
 import torch
 import transformers
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
-from ..integration.architectures import CONFIG_DROPOUTS
+from ..integration.architectures import CONFIG_DROPOUTS, PER_TOKEN_LAYER_TYPES, RECURRENT_LAYER_TYPES
 
 
 def _derived(config_class: type, name: str) -> bool:
@@ -24,8 +25,47 @@ def _derived(config_class: type, name: str) -> bool:
 
 
 def _attends(layer_types) -> bool:
-    """Whether a config's `layer_types` include an attention layer (not a linear-attention, recurrent or conv one)."""
-    return any("attention" in kind and kind != "linear_attention" for kind in layer_types)
+    """Whether a config's `layer_types` include an attention layer: a kind that neither mixes tokens without attention
+    (Mamba, linear attention, convolutions, recurrences) nor treats each token on its own (MLP, experts), as the
+    architecture table tells them (Zamba's and Falcon-H1's 'hybrid' layers attend)."""
+    return any(kind not in RECURRENT_LAYER_TYPES + PER_TOKEN_LAYER_TYPES for kind in layer_types)
+
+
+def _layer_kinds(config: PretrainedConfig) -> list:
+    """`config.layer_types` (derived or given), or none."""
+    try:
+        return list(getattr(config, "layer_types", None) or ())
+    except Exception:  # (a derived property that fails on these fields)
+        return []
+
+
+def _attention_placements(config_class: type, layers: int):
+    """Edits of a hybrid's own fields (read from its defaults) that may place an attention layer last among
+    `layers`: a list of layer kinds (Granite-MoE-Hybrid's layer_types, Zamba's layers_block_type, RecurrentGemma's
+    repeated block_types) made the family's first token mixer and then an attention kind of its defaults (else
+    full_attention); a list of attention layers' indices (Bamba's attn_layer_indices, None by default) made the last;
+    a period and an offset of attention layers (Jamba's attn_layer_period, attn_layer_offset) that reach the last
+    layer only. The caller keeps the first edit under which the config builds with an attention layer."""
+    try:
+        defaults = config_class().to_dict()
+    except Exception:  # (defaults that do not build: nothing to read)
+        return
+    known = (*RECURRENT_LAYER_TYPES, *PER_TOKEN_LAYER_TYPES)
+    for name, value in defaults.items():
+        if (isinstance(value, list) and value and all(isinstance(kind, str) for kind in value)
+                and any(kind in known for kind in value)):
+            mixer = next(kind for kind in value if kind in known)
+            attention = next((kind for kind in value if _attends([kind])), "full_attention")
+            yield {name: [mixer] * (layers - 1) + [attention]}
+            yield {name: [attention] * layers}  # (Zamba's shared attention ties its later layers to its first one)
+    for name, value in defaults.items():
+        if ("attn" in name or "attention" in name) and (value is None or isinstance(value, list) and all(
+                isinstance(index, int) for index in value)) and any(w in name for w in ("ind", "idx", "ids")):
+            yield {name: [layers - 1]}
+    for name in defaults:
+        period = name.replace("offset", "period")
+        if "attn" in name and name.endswith("offset") and isinstance(defaults.get(period), int):
+            yield {name: layers - 1, period: layers}
 
 
 # The fields of every tiny config (`vocab_size` besides). max_position_embeddings: rotary models compute their
@@ -112,6 +152,29 @@ def _meta_tensors(config: PretrainedConfig) -> dict[str, tuple[tuple[int, ...], 
         transformers.logging.set_verbosity(verbosity)
     return {name: (tuple(t.shape), t.element_size()) for name, t in chain(model.named_parameters(),
                                                                           model.named_buffers())}
+
+
+def _model_error(config: PretrainedConfig) -> Exception | None:
+    """What transformers raises building the model of `config` (its causal LM, else its base model) on the meta
+    device; None where it builds, or where transformers has no model for it."""
+    config = copy.deepcopy(config)
+    auto = next((a for a in (AutoModelForCausalLM, AutoModel) if type(config) in a._model_mapping), None)
+    if auto is None:
+        return None
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with torch.device("meta"):
+            auto.from_config(config)
+    except Exception as e:
+        return e
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    return None
+
+
+def _model_builds(config: PretrainedConfig) -> bool:
+    return _model_error(config) is None
 
 
 def _nbytes(shape: tuple, element: int) -> int:
@@ -223,11 +286,13 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
     window: layer_types that default to sliding layers become full attention unless a `sliding_window` is given,
     the window then unused; half of a head's dimensions rotary where the config counts them (`rotary_dim`: CodeGen
     and GPT-J rotate 16 of 32, interleaved); a mixture of experts: `TINY_EXPERTS`; latent attention: `TINY_MLA`; a
-    decoder sized apart from its encoder: `TINY_DECODER`); any field can be overridden. A field the architecture
-    derives from others (Falcon's `head_dim`) is left to it; an override of one it derives otherwise is a ValueError
-    that names it, and so is a config transformers refuses to build from these fields, and a type that keeps its
-    language model in a sub-config these fields do not reach (a vision-language model's), naming the language
-    model's type."""
+    decoder sized apart from its encoder: `TINY_DECODER`; a hybrid whose two layers would hold no attention: an
+    attention layer last, placed by its own fields (`_attention_placements`); a field the family's defaults leave
+    unset that its model needs: given (`_repaired_for_its_model`)); any field can be overridden. A field the
+    architecture derives from others (Falcon's `head_dim`) is left to it; an override of one it derives otherwise is a
+    ValueError that names it, and so is a config transformers refuses to build from these fields, and a type that
+    keeps its language model in a sub-config these fields do not reach (a vision-language model's), naming the
+    language model's type."""
     fields = dict(TINY_FIELDS, vocab_size=vocab_size)
     fields["sliding_window"] = None
     if model_type not in CONFIG_MAPPING:
@@ -254,18 +319,8 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
         fields["head_dim"] = fields["qk_rope_head_dim"]
     derived = {name for name in fields if _derived(config_class, name)}
     given = {name: value for name, value in fields.items() if name not in derived}
-    unwindowed = False
     try:
-        try:
-            config = AutoConfig.for_model(model_type, **given)
-        except Exception as e:  # (EXAONE-MoE, Laguna: an int window only; EXAONE 4, Kolibri: sliding layers need one)
-            if "sliding_window" in overrides:  # one no layer reaches, as below
-                raise
-            unwindowed, given["sliding_window"] = True, fields["max_position_embeddings"]
-            try:
-                config = AutoConfig.for_model(model_type, **given)
-            except Exception:  # (not the window: the first cause is the one to name)
-                raise e from None
+        config, given, unwindowed = _first_config(model_type, config_class, given, overrides)
     except Exception as e:  # transformers' own checks of this architecture's fields
         raise _build_refusal(model_type, vocab_size, overrides, e) from e
     _check_language_model_sized(model_type, config, fields["hidden_size"])
@@ -278,6 +333,15 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
         with contextlib.suppress(AttributeError):  # (a family that derives its layer types: left as it builds them)
             if kinds:
                 config.layer_types = layer_types = [*layer_types[:-1], kinds[0]]
+    if layer_types and not _attends(_layer_kinds(config)):
+        # (Bamba, Jamba, Granite-MoE-Hybrid, RecurrentGemma: layer types derived from fields of their own, or
+        # defaults with attention nowhere or beyond two layers) one of those fields places it last
+        placed = _placed_attention(model_type, config_class, given, overrides)
+        if placed:
+            config, given = placed
+            layer_types = _layer_kinds(config)
+    config, given = _repaired_for_its_model(model_type, config_class, config, given, overrides)
+    layer_types = _layer_kinds(config) or layer_types
     no_window = config.sliding_window is None or unwindowed
     if no_window and "layer_types" not in overrides and ("sliding_attention" in layer_types
                                                          or _defaults_to_sliding_layers(config_class)):
@@ -292,7 +356,15 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
         if _field_of(config_class, "layer_types"):
             config = AutoConfig.for_model(model_type, **{**given, **full})
         else:
-            config.layer_types, config.sliding_window = full["layer_types"], full["sliding_window"]
+            with contextlib.suppress(AttributeError):  # (RecurrentGemma derives them from its block types: its
+                config.layer_types = full["layer_types"]  # sliding layers keep a window no row reaches)
+            config.sliding_window = full["sliding_window"]
+    windowed = {kind for kind in _layer_kinds(config) if "sliding" in kind and kind != "sliding_attention"}
+    if windowed and config.sliding_window is None and "sliding_window" not in overrides:
+        # (Inkling's 'hybrid_sliding' layers size a relative position bias by their window: a kind the tiny model
+        # cannot make full attention, nor give a window of a million positions) the family's default window
+        with contextlib.suppress(Exception):
+            config = AutoConfig.for_model(model_type, **{**given, "sliding_window": config_class().sliding_window})
     shared = getattr(config, "num_kv_shared_layers", 0)
     if shared and "num_kv_shared_layers" not in overrides and shared >= config.num_hidden_layers:
         # (Gemma 3n: the last 15 of its 35 layers reuse earlier layers' keys and values; of the tiny model's 2 layers,
@@ -304,6 +376,85 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
                              f"it from its other fields ({name}={getattr(config, name)} here); change those instead "
                              "(e.g. hidden_size and num_attention_heads for head_dim).")
     return config
+
+
+# Tiny fields a refusal that names them cannot be dropped for: the tiny model's sizes.
+_SIZES = ("num_hidden_layers", "hidden_size", "vocab_size", "max_position_embeddings")
+
+
+def _first_config(model_type: str, config_class: type, given: dict, overrides: dict):
+    """(config, the fields that built it, whether they give a window no layer reaches): `given`, else the first
+    repair of it under which transformers builds the config: a window no layer reaches (EXAONE-MoE, Laguna: an int
+    window only; EXAONE 4, Kolibri: sliding layers need one), the tiny fields its complaint names left at the
+    family's defaults where its model then builds (ZAYA routes each token to one expert), an attention layer placed
+    last (Zamba's layer kinds, sized for more layers than two). An override is never repaired; the first complaint
+    is the one raised."""
+    try:
+        return AutoConfig.for_model(model_type, **given), given, False
+    except Exception as e:
+        error = e
+    named = [name for name in given if name not in overrides and name not in _SIZES
+             and re.search(rf"\b{re.escape(name)}\b", str(error))]
+    repairs = [({"sliding_window": given["max_position_embeddings"]}, ())] if "sliding_window" not in overrides else []
+    if named:
+        repairs.append(({}, named))
+    for edit, dropped in repairs:
+        fields = {name: value for name, value in {**given, **edit}.items() if name not in dropped}
+        with contextlib.suppress(Exception):
+            config = AutoConfig.for_model(model_type, **fields)
+            if not dropped or _model_builds(config):  # (DBRX without tied embeddings: its attention sub-config,
+                return config, fields, "sliding_window" in edit  # which no tiny field reaches, builds no model)
+    placed = _placed_attention(model_type, config_class, given, overrides)
+    if placed:
+        return (*placed, False)
+    raise error
+
+
+def _placed_attention(model_type: str, config_class: type, given: dict, overrides: dict):
+    """(config, fields) of the first of `_attention_placements` (none overridden) under which transformers builds a
+    config whose layers attend, and its model; None where none does."""
+    layers = given["num_hidden_layers"]
+    for edit in _attention_placements(config_class, layers):
+        if set(edit) & set(overrides):
+            continue
+        fields = {**given, **edit}
+        with contextlib.suppress(Exception):
+            config = AutoConfig.for_model(model_type, **fields)
+            kinds = _layer_kinds(config)
+            if len(kinds) == layers and _attends(kinds) and _model_builds(config):
+                return config, fields
+    return None
+
+
+def _repaired_for_its_model(model_type: str, config_class: type, config: PretrainedConfig, given: dict,
+                            overrides: dict):
+    """(config, fields): where transformers builds no model from `config` (on the meta device), the first field a
+    family's defaults leave unset that makes it build: a shared-expert count of None (Dots1's, which its model
+    multiplies by) 1; layer types of None (LFM2-MoE's, which its model reads) every layer full attention; RoPE
+    parameters kept per layer type and given for none (Cohere Compass's: KeyError 'full_attention') the default
+    ones for each. `config` as it is where it builds or no repair makes it."""
+    if _model_builds(config):
+        return config, given
+    kinds = set(_layer_kinds(config))
+    rope = getattr(config, "rope_parameters", None)
+    repairs = []
+    if getattr(config, "n_shared_experts", 0) is None:
+        repairs.append({"n_shared_experts": 1})
+    if _field_of(config_class, "layer_types") and getattr(config, "layer_types", 0) is None:
+        repairs.append({"layer_types": ["full_attention"] * config.num_hidden_layers})
+    if isinstance(rope, dict) and kinds and "rope_type" not in rope and not kinds <= set(rope):
+        repairs.append({"rope_parameters": {kind: rope.get(kind) or {"rope_type": "default",
+                                                                     "rope_theta": given["rope_theta"]}
+                                            for kind in sorted(kinds)}})
+    for edit in repairs:
+        if set(edit) & set(overrides):
+            continue
+        fields = {**given, **edit}
+        with contextlib.suppress(Exception):
+            repaired = AutoConfig.for_model(model_type, **fields)
+            if _model_builds(repaired):
+                return repaired, fields
+    return config, given
 
 
 def _build_refusal(model_type: str, vocab_size: int, overrides: dict, error: Exception) -> ValueError:

@@ -217,7 +217,7 @@ def test_architectures_that_route_attention_through_the_interface_pass_the_check
 
 
 @pytest.mark.parametrize("model_type, refused", [("qwen2", None), ("gpt2", None), ("bloom", "does not route"),
-                                                  ("jamba", "has no attention layer")])
+                                                  ("falcon_mamba", "has no attention layer")])
 def test_a_model_is_checked_as_training_switches_it_and_left_as_it_was(model_type, refused):
     """`check_switchable` refuses, before the data are made, what the Trainer refused once it had switched the model
     (the example's --tiny_model_type mamba/bloom after its data), on the meta device too (GPT-2's forward reads a
@@ -235,11 +235,11 @@ def test_a_model_is_checked_as_training_switches_it_and_left_as_it_was(model_typ
 
 
 @pytest.mark.parametrize("model_type, overrides, hybrid", [
-    ("mamba", {}, False), ("bamba", {"mamba_n_heads": 4, "mamba_d_head": 64}, True),
-    ("granitemoehybrid", {"mamba_n_heads": 4, "mamba_d_head": 64}, True)])
+    ("mamba", {}, False), ("bamba", {"mamba_n_heads": 4, "mamba_d_head": 64, "attn_layer_indices": []}, True),
+    ("granitemoehybrid", {"mamba_n_heads": 4, "mamba_d_head": 64, "layer_types": ["mamba", "mamba"]}, True)])
 def test_a_model_without_an_attention_layer_is_refused_as_such(model_type, overrides, hybrid):
     """A model of Mamba layers only, or a hybrid whose config places no attention layer (Bamba without
-    attn_layer_indices, as the tiny model is), was refused as an architecture that 'does not route its attention
+    attn_layer_indices), was refused as an architecture that 'does not route its attention
     through transformers' AttentionInterface' (Bamba's attention layers do), or whose forward 'failed outside
     attention' (Granite-MoE-Hybrid's cache); it is refused as having no attention layer, naming the fix."""
     hf_sparse_cp.patch()
@@ -629,6 +629,44 @@ def test_a_tiny_model_of_a_latent_attention_or_hybrid_family_runs_and_sparse_cp_
     _assert_every_block_kept_gives(model, ids, sdpa)
 
 
+# (their Mamba layers' 128 heads of 64 took seconds a forward)
+_FEW_MAMBA_HEADS = {t: {"mamba_n_heads": 4, "mamba_d_head": 64} for t in ("bamba", "granitemoehybrid")}
+
+
+@pytest.mark.parametrize("model_type", released_model_types("bamba", "jamba", "granitemoehybrid", "recurrent_gemma",
+                                                             "zamba", "zamba2"))
+def test_a_tiny_model_of_a_hybrid_whose_fields_place_its_attention_has_an_attention_layer(model_type):
+    """Bamba (attn_layer_indices, None by default), Jamba (attn_layer_period and offset: layer 4 of 8),
+    Granite-MoE-Hybrid (layer_types all Mamba by default) and RecurrentGemma (block_types, recurrent twice, then
+    attention) made tiny models of two recurrent layers, whose attention no test reached (and RecurrentGemma's forward
+    failed: 'Could not find a `sliding_window` argument'); Zamba's and Zamba 2's layer kinds, sized for 76 and 54
+    layers, were refused ('`num_hidden_layers` (2) must be equal to the number of `layer_types`'). The field that
+    places attention now places it last (Zamba's shared attention in both layers: it ties its later layers to the
+    first), a recurrent layer before it, and sparse_cp with every block kept gives sdpa's logits."""
+    from hf_sparse_cp.testing.tiny_models import _attends
+
+    config = tiny_config(model_type, vocab_size=97, **_FEW_MAMBA_HEADS.get(model_type, {}))
+    assert _attends(config.layer_types[-1:]) and _attends(config.layer_types[:1]) == (model_type == "zamba")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    ids = torch.randint(3, 97, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        sdpa = model(input_ids=ids).logits
+    _assert_every_block_kept_gives(model, ids, sdpa)
+
+
+@pytest.mark.parametrize("model_type", released_model_types("dots1", "lfm2_moe", "cohere_compass_text"))
+def test_a_tiny_model_of_a_family_whose_defaults_build_no_model_gets_the_field_it_lacks(model_type):
+    """Dots1's shared-expert count (None by default, which its model multiplies by), LFM2-MoE's layer types (None,
+    which its model reads) and Cohere Compass's RoPE parameters (per layer type, none given: KeyError
+    'full_attention') made configs transformers builds no model from; each gets the field (one shared expert, full
+    attention, the default RoPE per layer type), a field given stays as given, and the model builds."""
+    config = tiny_config(model_type, vocab_size=97)
+    assert AutoModelForCausalLM.from_config(config).config.model_type == model_type
+    if model_type == "dots1":
+        assert config.n_shared_experts == 1 and tiny_config(model_type, n_shared_experts=2).n_shared_experts == 2
+
+
 @pytest.mark.parametrize("model_type", released_model_types("gemma3n_text"))
 def test_a_tiny_model_whose_family_shares_more_layers_than_it_has_shares_half_and_sparse_cp_computes_it(model_type):
     """Gemma 3n's last 15 layers reuse earlier layers' keys and values: of the tiny model's 2 all did, and
@@ -697,12 +735,13 @@ def test_queries_moved_to_their_row_positions_scales_are_as_precise_as_one_proce
 # of each kind (their tiny configs: where the family's defaults build no model that runs): learned or sinusoidal
 # positions, multi-query attention, partial rotary with QK layer norms, differential attention (two softmaxes a layer),
 # cross-layer KV sharing (Gemma 3n's and Gemma 4's last layers attend over an earlier layer's keys and values), mixtures
-# of experts, hybrids whose attention layers sit between Mamba or linear-attention ones, and sliding-window layers
-# beside global ones (windows of 24 tokens in rows of 48: OLMo 3's and EXAONE 4's, Gemma 3n's and Gemma 4's in their
-# KV-shared layers; the tiny configs' windows are none, or were of 512 tokens, which no row reached). With them, the
-# decoders of encoder-decoder families trained decoder-only (in the table: their cross-attention, never called, was
-# refused as a bidirectional layer), with learned (offset 2 or none) or sinusoidal positions, scaled embeddings,
-# post-norm layers.
+# of experts, hybrids whose attention layers sit between Mamba or linear-attention ones (RecurrentGemma's: local
+# attention after a recurrent block), queries and keys convolved before attention (ZAYA's), RoPE parameters per layer
+# type (Cohere Compass), and sliding-window layers beside global ones (windows of 24 tokens in rows of 48: OLMo 3's and
+# EXAONE 4's, Cohere Compass's, Gemma 3n's and Gemma 4's in their KV-shared layers; the tiny configs' windows are none,
+# or were of 512 tokens, which no row reached). With them, the decoders of encoder-decoder families trained
+# decoder-only (in the table: their cross-attention, never called, was refused as a bidirectional layer), with learned
+# (offset 2 or none) or sinusoidal positions, scaled embeddings, post-norm layers.
 _MAMBA = dict(mamba_n_heads=4, mamba_d_head=64, mamba_d_state=16, mamba_chunk_size=16)  # (128 heads of 256 states)
 _KV_SHARING = dict(sliding_window=24, num_hidden_layers=4, num_kv_shared_layers=2,
                    layer_types=["sliding_attention", "full_attention"] * 2)
@@ -712,8 +751,8 @@ SWEPT = {
     "biogpt": {"max_position_embeddings": 512},
     "codegen": {"rotary_dim": 16}, "persimmon": {}, "diffllama": {}, "gemma3n_text": _KV_SHARING,
     "gemma4_text": _KV_SHARING, "jetmoe": {},
-    "phimoe": {}, "exaone_moe": {}, "bamba": {"attn_layer_indices": [1], **_MAMBA},
-    "granitemoehybrid": {"layer_types": ["mamba", "attention"], **_MAMBA}, "minimax": {},
+    "phimoe": {}, "exaone_moe": {}, "bamba": _MAMBA, "granitemoehybrid": _MAMBA, "minimax": {},
+    "recurrent_gemma": {}, "zaya": {}, "cohere_compass_text": _WINDOWED,
     "olmo3": _WINDOWED, "exaone4": _WINDOWED, "ministral": {},
     **{t: {"max_position_embeddings": 512} for t in ("bart", "mbart", "plbart", "blenderbot", "blenderbot-small",
                                                      "marian", "pegasus", "whisper")},

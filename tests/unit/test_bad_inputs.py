@@ -63,9 +63,14 @@ from hf_sparse_cp.examples.train_long_context import parse_args
          "'sparse_cp' cannot take effect (transformers kept attn_implementation='eager'). Train it without context "
          "parallelism (drop --cp_size: its ring needs the sparse_cp backend) and with dense attention "
          "(--sparse_attention false;"),
-        (["--tiny_model_type", "jamba", "--cp_size", "2"], "--tiny_model_type jamba: JambaForCausalLM (model type "
-         "'jamba') has no attention layer (its layer_types: linear_attention), so attn_implementation='sparse_cp' has "
+        (["--tiny_model_type", "mamba", "--cp_size", "2"], "--tiny_model_type mamba: MambaForCausalLM (model type "
+         "'mamba') has no attention layer (its layer_types: linear_attention), so attn_implementation='sparse_cp' has "
          "no attention to compute. Train it without context parallelism (drop --cp_size"),
+        # (Jamba's tiny model attends in its last layer, after a Mamba one)
+        (["--tiny_model_type", "jamba", "--cp_size", "2"], "--tiny_model_type jamba: JambaForCausalLM mixes tokens "
+         "outside attention (layer type 'linear_attention', Conv1d of kernel (4,) (model.layers.0.mamba.conv1d)): "
+         "under context parallelism such layers would see only this rank's shard. Train it without context "
+         "parallelism."),
         # CP with the backend that runs its ring off: refused by the Trainer after the data
         (["--sparse_attention", "false", "--cp_size", "2"], "--cp_size 2: context parallelism runs its ring in the "
          "sparse_cp backend, which --sparse_attention false turns off: drop --sparse_attention false (add "
