@@ -67,7 +67,15 @@ class _SavedByDtype(Mapping[str, tuple[LayerSaved, ...]]):
     def __init__(self, model: torch.nn.Module, kv_heads: int, where: str) -> None:
         self._model, self._kv_heads, self._where = model, kv_heads, where
         self._measured: dict[str, tuple[LayerSaved, ...]] = {}
+        self._frozen: dict[str, tuple[LayerSaved, ...]] = {}
         self["bfloat16"]  # noqa: B018 (measured for its errors)
+
+    def frozen(self, dtype: str) -> tuple[LayerSaved, ...]:
+        """What the layers save with their weights frozen (LoRA's base: `layer_saved(frozen=True)`), in `dtype`."""
+        if dtype not in self._frozen:
+            self._frozen[dtype] = layer_saved(self._model, getattr(torch, dtype), self._kv_heads, self._where,
+                                              frozen=True)
+        return self._frozen[dtype]
 
     def __getitem__(self, dtype: str) -> tuple[LayerSaved, ...]:
         if dtype not in DTYPE_BYTES:
@@ -563,9 +571,13 @@ class _Step:
     def measured(self) -> LayerSaved | None:
         """What the current layer saves besides its attention core and MLP, measured (`Architecture.layer_saved`);
         None where it is the Llama layer's counted here: a preset's, and with token tiles (which replace the
-        Llama-like families' modules only)."""
-        if self.arch.layer_saved is None or self.s.savers.tiled or self.lora is not None:
-            return None  # (LoRA: the Llama layer's tensors with its matrices frozen, `lora_saved`)
+        Llama-like families' modules only). With LoRA, measured with the layers' weights frozen (Qwen3's q/k norms
+        keep their fp32 inputs, which a Llama layer has not), where the measurement can be (`_SavedByDtype`)."""
+        if self.arch.layer_saved is None or self.s.savers.tiled:
+            return None
+        if self.lora is not None:
+            frozen = getattr(self.arch.layer_saved, "frozen", None)
+            return None if frozen is None else frozen(self.s.dtype)[self.layer]
         return self.arch.layer_saved[self.s.dtype][self.layer]
 
     @property
@@ -785,12 +797,16 @@ class _Step:
                   "norm2": [x for x in (*saved2, n2) if x is not None], "mlp": mlp, "lora": lora, "lora_mlp": lora_mlp}
         measured = self.measured
         if measured is not None:  # the layer's own tensors in place of the Llama layer's, freed as theirs
-            tape.free(*groups["norm1"], *groups["norm2"])
+            # (LoRA: a normalized input left by `lora_saved` is the fp32 adapters' saved input, not the layer's)
+            shared = {n1, n2} - {None} if self.lora is not None else set()
+            tape.free(*(x for x in (*groups["norm1"], *groups["norm2"]) if x not in shared))
             if self.s.head_size == 1:  # (with head groups attention saves the all-to-all's copies instead)
                 tape.free(*att[:3])
                 att[:3] = [tape.alloc("attention tensors", measured.inputs.per_token, measured.inputs.const)]
             groups["norm1"], groups["norm2"] = ([tape.alloc("recomputed layer: saved activations", part.per_token,
                                                             part.const)] for part in (measured.before, measured.after))
+            groups["norm1"] += [x for x in (n1,) if x in shared]
+            groups["norm2"] += [x for x in (n2,) if x in shared]
         if layer_input is not None and saves_input:  # (after the measured tensors, which leave the input out)
             groups["norm1"].append(layer_input)
         saved_term = "recomputed layer: saved activations" if layer_input is None else "layers' saved activations"

@@ -258,11 +258,13 @@ def _saved_at(model: torch.nn.Module, layers: list[torch.nn.Module], tokens: int
     return out
 
 
-def layer_saved(model: torch.nn.Module, dtype: torch.dtype, kv_heads: int, where: str) -> tuple[LayerSaved, ...]:
+def layer_saved(model: torch.nn.Module, dtype: torch.dtype, kv_heads: int, where: str, frozen: bool = False
+                ) -> tuple[LayerSaved, ...]:
     """`LayerSaved` of each decoder layer of `model` (built on the meta device) with activations in `dtype`, counted by
     autograd's saved-tensor hooks in forwards with grad at `SAVED_LENGTHS` tokens, the attention through SDPA's
     stand-in (`_AttentionStandIn`), without dropout. The model is moved to `dtype`, set to eval and its attention to
-    SDPA.
+    SDPA. `frozen`: the decoder layers' weights without grad (LoRA's frozen base: a product keeps no input for its
+    weight's gradient, a norm no normalized input), the layers' input still with it.
 
     Raises:
         ValueError: the model does not run on the meta device, a layer makes other than one attention call of
@@ -276,7 +278,14 @@ def layer_saved(model: torch.nn.Module, dtype: torch.dtype, kv_heads: int, where
                          "does, or a preset (--model).") from error
     model.to(dtype).eval()  # (dropout's masks are not counted: on the meta device they are not a CPU's or a GPU's)
     layers = decoder_layers(model)
-    counts = [_saved_at(model, layers, tokens, kv_heads, where) for tokens in SAVED_LENGTHS]
+    trained = [p for layer in layers for p in layer.parameters() if p.requires_grad] if frozen else []
+    for p in trained:
+        p.requires_grad_(False)
+    try:
+        counts = [_saved_at(model, layers, tokens, kv_heads, where) for tokens in SAVED_LENGTHS]
+    finally:
+        for p in trained:
+            p.requires_grad_(True)
     (t1, t2, t3), result = SAVED_LENGTHS, []
     for index, by_length in enumerate(zip(*counts)):
         parts = []
