@@ -58,16 +58,6 @@ class LoraSettings:
                              f"layer, among {', '.join(MODULE_INPUTS)} (or '{ALL_LINEAR}' for all of them)"
                              + (f"; {', '.join(unknown)} is none of them" if unknown else "") + ".")
 
-    def check(self, shape: ModelShape, where: str) -> None:
-        """Refuse (ValueError naming the fix, after `where`) a rank above a targeted matrix's smaller side: its adapter
-        would hold more parameters than a full-rank update of the matrix."""
-        for name in self.targets:
-            smaller = min(module_features(shape, name))
-            if self.rank > smaller:
-                raise ValueError(f"{where}: LoRA rank {self.rank} exceeds {name}'s smaller side ({smaller} features): "
-                                 f"its adapter would outgrow a full update of the matrix; give a rank of at most "
-                                 f"{smaller} (LoRA ranks are usually 8-256).")
-
     def layer_params(self, shape: ModelShape) -> int:
         """Adapter parameters of one decoder layer: rank x (in + out) per targeted matrix (lora_A, lora_B)."""
         return sum(self.rank * sum(module_features(shape, name)) for name in self.targets)

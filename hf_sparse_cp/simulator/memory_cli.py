@@ -390,9 +390,7 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
                          f"({', '.join(LEAN_LOSS_FAMILIES)}), whose matrices and saved tensors it counts, not on "
                          f"{model_name(args)}'s; drop --lora-rank for full fine-tuning's answer (an upper bound), or "
                          "give one of those models.")
-        lora = lora_settings(args)
-        if lora is not None:
-            lora.check(arch.shape, f"--lora-rank {args.lora_rank}")
+        lora_settings(args)  # (its refusals name the flag)
         settings = settings_for_length(args, arch)
         settings(1)  # validates the settings
         predict_step_memory(arch, 1024, settings(1024))  # and them on this model (a head split its heads allow)

@@ -530,7 +530,6 @@ class _Step:
                 raise ValueError(f"{arch.name}: LoRA is modelled on the Llama-like families' decoder layers "
                                  f"({', '.join(LEAN_LOSS_FAMILIES)}), whose matrices and saved tensors it counts; "
                                  "predict this model without LoRA (full fine-tuning, an upper bound), or one of those.")
-            s.lora.check(sh, arch.name)
         self.layer_adapters = s.lora.layer_params(sh) if s.lora else 0
         self.t = rank_tokens(seq_len, s)
         self.tape = _Tape(self.t)

@@ -205,7 +205,6 @@ def test_the_memory_command_predicts_a_lora_fine_tune_and_says_so(capsys, tmp_pa
      "it alone"),
     (["--lora-rank", "16", "--lora-dropout", "1"], "--lora-dropout: LoRA dropout=1.0 must be in [0, 1)"),
     (["--lora-rank", "0"], "argument --lora-rank: 0 must be >= 1"),
-    (["--lora-rank", "256"], "--lora-rank 256: LoRA rank 256 exceeds v_proj's smaller side (128 features)"),
     (["--lora-rank", "16", "--optimizer", "smet"], "--optimizer smet with --lora-rank: SMET's compact state is for "
      "full fine-tuning's layer matrices"),
 ])
@@ -244,5 +243,14 @@ def test_lora_settings_refuse_nonsense():
                 dict(rank=8, targets=("q_proj",) * 2), dict(rank=True)):
         with pytest.raises(ValueError):
             LoraSettings(**bad)
-    with pytest.raises(ValueError, match="LoRA rank 200 exceeds k_proj's smaller side"):
-        predict_step_memory(PRESETS["qwen2.5-0.5b"], 4096, StepSettings(lora=LoraSettings(200, ALL)))
+
+
+def test_a_rank_above_a_matrix_side_is_predicted_as_peft_trains_it(capsys, tmp_path):
+    """PEFT trains a rank above a targeted matrix's smaller side (r=256 on Qwen2.5-0.5B's v_proj, 896 -> 128): its
+    adapters, rank x (in + out), are counted as any other. Before (#50 review) `memory` refused it, and an adapter
+    folder's refusal named flags that `memory` then refused."""
+    out_json = tmp_path / "r256.json"
+    assert cli_main(["memory", "--model", "qwen2.5-0.5b", "--lora-rank", "256", "--quiet", "--json",
+                     str(out_json)]) == 0
+    assert int(capsys.readouterr().out.strip()) > 0
+    assert json.loads(out_json.read_text())["lora"]["trainable_parameters"] == 24 * 256 * (896 + 896 + 896 + 128)
