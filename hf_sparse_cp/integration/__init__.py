@@ -1,4 +1,5 @@
-"""What transformers calls, and the one place that names its private members.
+"""What transformers calls, and the one table of the private members the plugin uses (`compat.py`), with the
+calls through them (`upstream.py`).
 
 * `backend.py`: `sparse_cp_attention_forward`, the function transformers calls per layer, with what it reads:
   `call_context.py` (a probe or the CP shard of the forward in progress), `layer_settings.py` (each layer's

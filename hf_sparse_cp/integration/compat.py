@@ -4,7 +4,7 @@ Most of the integration goes through public APIs (`AttentionInterface.register`,
 forward hooks). What remains is listed here, one `Patch` each: a private member read or called, or a
 replacement (a method on one Trainer or Accelerator instance, a class attribute, process-wide
 state, an inserted callback), with why, the releases it was tested with (`TESTED_VERSIONS`) and how
-it is undone. Nothing else names these members:
+it is undone. Nothing else names these members but the calls of `upstream.py`, each behind its `require`:
 
 * `PatchSet.set_attr` / `insert` / `set_item` (`patching.py`) refuse a replacement that has no
   entry here (`replacement_for`);
