@@ -432,9 +432,8 @@ def _repaired_for_its_model(model_type: str, config_class: type, config: Pretrai
     family's defaults leave unset that makes it build: a shared-expert count of None (Dots1's, which its model
     multiplies by) 1; layer types of None (LFM2-MoE's, which its model reads) every layer full attention; RoPE
     parameters kept per layer type and given for none (Cohere Compass's: KeyError 'full_attention') the default
-    ones for each. `config` as it is where it builds or no repair makes it."""
-    if _model_builds(config):
-        return config, given
+    ones for each. `config` as it is where it builds or no repair makes it. The model is built only where a repair
+    applies (a meta build took 50 ms, five times a tiny config's own time, on every `tiny_config` call)."""
     kinds = set(_layer_kinds(config))
     rope = getattr(config, "rope_parameters", None)
     repairs = []
@@ -446,9 +445,10 @@ def _repaired_for_its_model(model_type: str, config_class: type, config: Pretrai
         repairs.append({"rope_parameters": {kind: rope.get(kind) or {"rope_type": "default",
                                                                      "rope_theta": given["rope_theta"]}
                                             for kind in sorted(kinds)}})
+    repairs = [edit for edit in repairs if not set(edit) & set(overrides)]
+    if not repairs or _model_builds(config):
+        return config, given
     for edit in repairs:
-        if set(edit) & set(overrides):
-            continue
         fields = {**given, **edit}
         with contextlib.suppress(Exception):
             repaired = AutoConfig.for_model(model_type, **fields)

@@ -655,6 +655,19 @@ def test_a_tiny_model_of_a_hybrid_whose_fields_place_its_attention_has_an_attent
     _assert_every_block_kept_gives(model, ids, sdpa)
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "llama", "gemma3_text", "mixtral"])
+def test_a_tiny_config_that_needs_no_repair_builds_no_model_to_check(model_type, monkeypatch):
+    """`tiny_config` builds a model on the meta device only where a repair of the family's defaults applies (Dots1's
+    shared experts, LFM2-MoE's layer types, Cohere Compass's RoPE per layer type): before (#50 review) it built one
+    for every call, 50 ms each where the config takes 10, on every tiny model of the suite."""
+    from hf_sparse_cp.testing import tiny_models
+
+    built = []
+    monkeypatch.setattr(tiny_models, "_model_error", lambda config: built.append(config.model_type))
+    assert tiny_config(model_type, vocab_size=97).model_type == model_type
+    assert built == []
+
+
 @pytest.mark.parametrize("model_type", released_model_types("dots1", "lfm2_moe", "cohere_compass_text"))
 def test_a_tiny_model_of_a_family_whose_defaults_build_no_model_gets_the_field_it_lacks(model_type):
     """Dots1's shared-expert count (None by default, which its model multiplies by), LFM2-MoE's layer types (None,
