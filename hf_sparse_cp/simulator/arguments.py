@@ -23,6 +23,7 @@ from ..config.files import adapter_base, did_you_mean
 from ..distributed.cp_config import ContextParallelConfig
 from ..distributed.modes import CPMode, cp_modes
 from ..memory.savers import CHECKPOINTING_MIN_LENGTH, from_min_length
+from .lora import ALL_LINEAR, MODULE_INPUTS
 from .shapes import DECODER_FIELDS, ModelShape, check_decoder_sizes
 from .simulate import Cluster, Link
 from .step_model import CLUSTERS, HARDWARE, PEAK_TFLOPS, Hardware
@@ -210,15 +211,20 @@ def _refuse_adapter(path: str, file: Path) -> None:
 
 def _lora_flags(adapter: Path) -> str:
     """`hf-sparse-cp memory`'s flags for the LoRA training of the adapter whose adapter_config.json is `adapter`
-    (its r, target_modules and lora_dropout), as a clause of `_refuse_adapter`'s message; '' for another adapter."""
+    (its r, target_modules and lora_dropout), as a clause of `_refuse_adapter`'s message; '' for another adapter, and
+    for a LoRA one the flags do not describe (DoRA's magnitudes, targets beyond a decoder layer's matrices or a
+    pattern: `--lora-targets` would refuse them)."""
     try:
         data = json.loads(adapter.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return ""
-    if not isinstance(data, dict) or data.get("peft_type") != "LORA" or not isinstance(data.get("r"), int):
+    if not isinstance(data, dict) or data.get("peft_type") != "LORA" or not isinstance(data.get("r"), int) \
+            or data.get("use_dora"):
         return ""
     targets = data.get("target_modules")
     targets = [targets] if isinstance(targets, str) else sorted(targets) if isinstance(targets, list) else []
+    if targets not in ([], [ALL_LINEAR]) and not set(targets) <= set(MODULE_INPUTS):
+        return ""
     flags = f"--lora-rank {data['r']}" + (f" --lora-targets {' '.join(targets)}" if targets else "") + (
         f" --lora-dropout {data['lora_dropout']:g}" if isinstance(data.get("lora_dropout"), float | int)
         and data["lora_dropout"] else "")

@@ -236,6 +236,15 @@ def test_lora_on_a_model_whose_layers_it_does_not_count_is_refused_and_an_adapte
     err = capsys.readouterr().err
     assert ("`hf-sparse-cp memory` predicts the adapter's training with --lora-rank 32 --lora-targets q_proj v_proj "
             "--lora-dropout 0.05.") in err, err
+    # (flags `memory` would refuse, or that describe another adapter, are not offered: before (#50 review) an
+    # adapter on lm_head was told --lora-targets lm_head q_proj, a DoRA one plain LoRA's flags)
+    for other in ({"target_modules": ["q_proj", "lm_head"]}, {"target_modules": ".*proj"}, {"use_dora": True}):
+        (adapter / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "base_model_name_or_path": "base", "r": 32, "target_modules": ["q_proj"], **other}))
+        with pytest.raises(SystemExit):
+            cli_main(["memory", "--config", str(adapter), "--quiet"])
+        err = capsys.readouterr().err
+        assert "a PEFT adapter" in err and "predicts the adapter's training" not in err, err
 
 
 def test_lora_settings_refuse_nonsense():
