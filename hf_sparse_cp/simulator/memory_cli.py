@@ -138,7 +138,7 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
                    f"TRL's --lora_target_modules is taken too). Default: PEFT's for the Llama-like families, "
                    f"{' '.join(DEFAULT_TARGETS)}.")
     p.add_argument("--lora-dropout", type=float, default=0.0,
-                   help="With --lora-rank: LoRA's dropout, in [0, 1) (PEFT's lora_dropout; TRL's --lora_dropout "
+                   help="With --lora-rank: LoRA's dropout, in [0, 1) (PEFT's lora_dropout; TRL's lora_dropout "
                    "defaults to 0.05): above 0 every adapted input keeps a dropout mask and its own dropped copy.")
     add_checkpointing_argument(p)
     p.add_argument("--token-tiling-min-length", type=at_least(0), default=TILING_MIN_LENGTH,
