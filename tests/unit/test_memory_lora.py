@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from memory_steps import STEP_TOKENS, recorded_step_peak, step_config
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -103,32 +104,19 @@ def test_a_lora_layer_saves_what_the_model_counts(case):
 
 def _unchecked_step(layers: int, lora: LoraSettings | None) -> tuple[int, float, float]:
     """(measured, predicted, full fine-tuning's prediction) bytes at the peak of a step (forward, lean loss, backward)
-    of a bf16 Qwen2 of `layers` layers with `lora`'s adapters, without gradient checkpointing, the weights apart:
-    measured by the allocation recorder on this CPU (as test_memory_model's step without checkpointing)."""
-    from hf_sparse_cp.integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
-    from hf_sparse_cp.testing.allocations import AllocationRecorder
-
-    config = tiny_config("qwen2", num_hidden_layers=layers, hidden_size=128, intermediate_size=2048,
-                         num_attention_heads=2, num_key_value_heads=1, vocab_size=256)
-    enabled = not is_lean_loss_enabled()
-    enable_lean_loss()
-    try:
-        model = _lora_model(config, torch.bfloat16, lora)
-        ids = torch.randint(0, config.vocab_size, (1, 1024))
-        recorder = AllocationRecorder(with_sites=False)
-        with recorder:
-            model(input_ids=ids, labels=ids).loss.backward()
-    finally:
-        if enabled:
-            disable_lean_loss()
+    of a bf16 Qwen2 of `layers` layers with `lora`'s adapters, without gradient checkpointing, the weights apart (as
+    test_memory_model's step without checkpointing)."""
+    config = step_config(layers)
+    measured = recorded_step_peak(lambda: _lora_model(config, torch.bfloat16, lora))
     arch = Architecture.from_config(config)
 
     def predicted(tuned: LoraSettings | None) -> float:
-        est = predict_step_memory(arch, 1024, StepSettings(device="cpu", pattern=PATTERN, gradient_checkpointing=False,
-                                                           optimizer="none", lora=tuned))
+        est = predict_step_memory(arch, STEP_TOKENS, StepSettings(device="cpu", pattern=PATTERN,
+                                                                  gradient_checkpointing=False, optimizer="none",
+                                                                  lora=tuned))
         return max(est.phases[p]["bytes"] for p in ("forward", "loss", "backward")) - est.terms("optimizer")["weights"]
 
-    return recorder.peak_bytes, predicted(lora), predicted(None)
+    return measured, predicted(lora), predicted(None)
 
 
 def test_a_lora_step_holds_what_the_model_predicts():

@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from memory_steps import STEP_TOKENS, recorded_step_peak, step_config
 from transformers import AutoModelForCausalLM
 
 import hf_sparse_cp
@@ -954,30 +955,20 @@ def test_a_mixture_of_experts_is_refused_naming_the_field_its_config_json_holds(
 
 def _unchecked_step_peak(layers: int) -> tuple[int, float]:
     """(measured, predicted) bytes at the peak of a step (forward, lean loss, backward) of a bf16 Qwen2 of `layers`
-    layers without gradient checkpointing, the weights apart: measured by the allocation recorder on this CPU."""
-    from hf_sparse_cp.integration.lean_loss import disable_lean_loss, enable_lean_loss, is_lean_loss_enabled
-    from hf_sparse_cp.testing.allocations import AllocationRecorder
+    layers without gradient checkpointing, the weights apart."""
+    config = step_config(layers)
 
-    config = tiny_config("qwen2", num_hidden_layers=layers, hidden_size=128, intermediate_size=2048,
-                         num_attention_heads=2, num_key_value_heads=1, vocab_size=256)
-    hf_sparse_cp.patch()
-    enabled = not is_lean_loss_enabled()
-    enable_lean_loss()
-    try:
+    def build():
+        hf_sparse_cp.patch()
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sparse_cp", dtype=torch.bfloat16)
-        model.train()
         configure(model, PATTERN)
-        ids = torch.randint(0, config.vocab_size, (1, 1024))
-        recorder = AllocationRecorder(with_sites=False)
-        with recorder:
-            model(input_ids=ids, labels=ids).loss.backward()
-    finally:
-        if enabled:
-            disable_lean_loss()
-    est = predict_step_memory(Architecture.from_config(config), 1024, StepSettings(
+        return model.train()
+
+    measured = recorded_step_peak(build)
+    est = predict_step_memory(Architecture.from_config(config), STEP_TOKENS, StepSettings(
         device="cpu", pattern=PATTERN, gradient_checkpointing=False, optimizer="none"))
-    return recorder.peak_bytes, est.peak_bytes - est.terms("optimizer")["weights"]
+    return measured, est.peak_bytes - est.terms("optimizer")["weights"]
 
 
 def test_a_step_without_gradient_checkpointing_holds_every_layers_saved_tensors():
