@@ -39,7 +39,7 @@ from ..distributed.heads.split import HeadSplit
 from ..memory.savers import MemorySavers
 from .kept_curve import DEFAULT_CURVE, KeptCurve
 from .lora import MODULE_INPUTS, LoraSettings, module_features
-from .shapes import MODELS, LayerSaved, ModelShape, check_decoder, layer_saved, meta_model
+from .shapes import MODELS, LayerSaved, ModelShape, SavedBytes, check_decoder, layer_saved, meta_model
 
 GIB = 2**30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -59,16 +59,38 @@ TERMS = (
 # --------------------------------------------------------------------------------------------- inputs
 
 
+def _parts(saved: LayerSaved) -> tuple[SavedBytes, SavedBytes, SavedBytes]:
+    return saved.before, saved.inputs, saved.after
+
+
 class _SavedByDtype(Mapping[str, tuple[LayerSaved, ...]]):
     """`shapes.layer_saved` of the meta-device `model` for each activation dtype of `DTYPE_BYTES`, measured at its
     first lookup (a dtype's is three forwards of the whole model: an 8B config's three dtypes took 5 s, and a
-    prediction reads one); bfloat16's at once, so that a model the measurement refuses is refused when it is read."""
+    prediction reads one); bfloat16's at once, so that a model the measurement refuses is refused when it is read.
+    `twin`: builds the Llama model of the same shape (`beyond_llama`), for a family that token tiles run."""
 
-    def __init__(self, model: torch.nn.Module, kv_heads: int, where: str) -> None:
-        self._model, self._kv_heads, self._where = model, kv_heads, where
+    def __init__(self, model: torch.nn.Module, kv_heads: int, where: str,
+                 twin: Callable[[], torch.nn.Module] | None = None) -> None:
+        self._model, self._kv_heads, self._where, self._twin = model, kv_heads, where, twin
         self._measured: dict[str, tuple[LayerSaved, ...]] = {}
         self._frozen: dict[str, tuple[LayerSaved, ...]] = {}
+        self._beyond: dict[tuple[str, bool], tuple[LayerSaved, ...] | None] = {}
         self["bfloat16"]  # noqa: B018 (measured for its errors)
+
+    def beyond_llama(self, dtype: str, frozen: bool) -> tuple[LayerSaved, ...] | None:
+        """What each layer saves beyond the Llama layer of its shape (Qwen3's q/k norms: their fp32 inputs, rsqrt
+        and outputs), measured on both models in `dtype` (`frozen`: the layers' weights frozen, LoRA's base): what
+        stays when token tiles replace the Llama layer's norms and MLP. None without a twin."""
+        if self._twin is None:
+            return None
+        if (dtype, frozen) not in self._beyond:
+            own = self.frozen(dtype) if frozen else self[dtype]
+            llama = layer_saved(self._twin(), getattr(torch, dtype), self._kv_heads, self._where, frozen=frozen)
+            self._beyond[dtype, frozen] = tuple(
+                LayerSaved(*(SavedBytes(a.per_token - b.per_token, a.const - b.const)
+                             for a, b in zip(_parts(mine), _parts(theirs))))
+                for mine, theirs in zip(own, llama))
+        return self._beyond[dtype, frozen]
 
     def frozen(self, dtype: str) -> tuple[LayerSaved, ...]:
         """What the layers save with their weights frozen (LoRA's base: `layer_saved(frozen=True)`), in `dtype`."""
@@ -164,9 +186,21 @@ class Architecture:
         total = sum(p.numel() for p in model.parameters())
         rest = total - shape.layers * layer - (1 if tied else 2) * shape.vocab * shape.hidden
         largest = max(p.numel() for p in model.parameters())
-        saved = _SavedByDtype(model, kv_heads, where)
+        saved = _SavedByDtype(model, kv_heads, where, twin=(lambda: meta_model(_llama_twin(config), where))
+                              if lean else None)
         return cls(shape, tied, layer - shape.layer_params, rest, lean,
                    largest if largest > shape.vocab * shape.hidden else 0, saved)
+
+
+def _llama_twin(config):
+    """The Llama config of `config`'s shape (a family token tiles run: `LEAN_LOSS_FAMILIES`)."""
+    from transformers import LlamaConfig
+
+    text = config.get_text_config()
+    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "vocab_size", "hidden_act", "rms_norm_eps", "tie_word_embeddings")
+    return LlamaConfig(**{name: getattr(text, name) for name in fields},
+                       head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
 
 
 def _qwen_like(shape: ModelShape, tied_embeddings: bool, qkv_bias: bool) -> Architecture:
@@ -175,11 +209,42 @@ def _qwen_like(shape: ModelShape, tied_embeddings: bool, qkv_bias: bool) -> Arch
     return Architecture(shape, tied_embeddings, bias + 2 * shape.hidden, shape.hidden)
 
 
-# The size presets `--model` names, the simulator's (`shapes.MODELS`): Qwen2.5 (config.json on the Hugging Face Hub),
-# q/k/v biases, 0.5B, 1.5B and 3B tying the LM head to the embedding; Qwen3-8B without biases or tying (its q/k
-# RMSNorm weights, 2 x head_dim a layer, are left out: 9K of 8.2B parameters).
-PRESETS = {name: _qwen_like(MODELS[name], tied_embeddings=name not in ("qwen2.5-7b", "qwen3-8b"),
-                            qkv_bias=name.startswith("qwen2.5")) for name in MODELS}
+def _qwen3(shape: ModelShape) -> Architecture:
+    """Qwen3 of `shape` (no biases, no tying), built from its config on the meta device: its q/k RMSNorms' weights and
+    what they save are measured (`Architecture.from_config`), not a Llama layer's counted."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                         num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, vocab_size=shape.vocab,
+                         tie_word_embeddings=False)
+    arch = Architecture.from_config(config, shape.name)
+    return replace(arch, shape=replace(arch.shape, source=shape.source))
+
+
+class _Presets(Mapping[str, Architecture]):
+    """The size presets `--model` names, the simulator's (`shapes.MODELS`), each built at its first lookup: Qwen2.5
+    (config.json on the Hugging Face Hub), q/k/v biases, 0.5B, 1.5B and 3B tying the LM head to the embedding, a
+    Llama layer's tensors counted on its code; Qwen3-8B (`_qwen3`: its layers measured on the meta device, 2 s)."""
+
+    def __init__(self) -> None:
+        self._built: dict[str, Architecture] = {}
+
+    def __getitem__(self, name: str) -> Architecture:
+        if name not in self._built:
+            shape = MODELS[name]
+            self._built[name] = _qwen3(shape) if name.startswith("qwen3") else _qwen_like(
+                shape, tied_embeddings=name != "qwen2.5-7b", qkv_bias=True)
+        return self._built[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(MODELS)
+
+    def __len__(self) -> int:
+        return len(MODELS)
+
+
+PRESETS = _Presets()
 
 
 @dataclass(frozen=True)
@@ -580,6 +645,16 @@ class _Step:
         return self.arch.layer_saved[self.s.dtype][self.layer]
 
     @property
+    def beyond_tiles(self) -> LayerSaved | None:
+        """With token tiles, what the current layer saves beyond the Llama layer whose norms and MLP the tiles
+        replace (`_SavedByDtype.beyond_llama`: Qwen3's q/k norms), measured; None without tiles or a measurement."""
+        beyond = getattr(self.arch.layer_saved, "beyond_llama", None)
+        if not self.s.savers.tiled or beyond is None:
+            return None
+        layers = beyond(self.s.dtype, frozen=self.lora is not None)
+        return None if layers is None else layers[self.layer]
+
+    @property
     def sparse(self) -> bool:
         """Whether the current layer estimates a sparse pattern."""
         return _sparse(self.s, self.seq_len, self.window)
@@ -806,6 +881,13 @@ class _Step:
                                                             part.const)] for part in (measured.before, measured.after))
             groups["norm1"] += [x for x in (n1,) if x in shared]
             groups["norm2"] += [x for x in (n2,) if x in shared]
+        beyond = self.beyond_tiles
+        if beyond is not None:  # (saved by the layer's own modules that the tiles leave as they are)
+            groups["norm1"].append(tape.alloc("recomputed layer: saved activations",
+                                              beyond.before.per_token + beyond.inputs.per_token,
+                                              beyond.before.const + beyond.inputs.const))
+            groups["norm2"].append(tape.alloc("recomputed layer: saved activations", beyond.after.per_token,
+                                              beyond.after.const))
         if layer_input is not None and saves_input:  # (after the measured tensors, which leave the input out)
             groups["norm1"].append(layer_input)
         saved_term = "recomputed layer: saved activations" if layer_input is None else "layers' saved activations"

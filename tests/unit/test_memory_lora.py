@@ -59,6 +59,7 @@ CASES = {
     "autocast": (torch.float32, True, LoraSettings(8), False),
     "autocast-all-dropout": (torch.float32, True, LoraSettings(8, ALL, 0.1), False),
     "qwen3-bf16": (torch.bfloat16, False, LoraSettings(8), False),
+    "qwen3-bf16-all-tiled": (torch.bfloat16, False, LoraSettings(8, ALL), True),
     "qwen3-fp32-all": (torch.float32, False, LoraSettings(16, ALL), False),
     "qwen3-autocast-all-dropout": (torch.float32, True, LoraSettings(8, ALL, 0.1), False),
 }
