@@ -591,7 +591,7 @@ def test_the_start_of_cp_warns_on_rank_0_only(caplog):
 
     model = AutoModelForCausalLM.from_config(tiny_config("doge", is_moe=True, output_router_logits=True))
     for zero in (False, True):
-        with caplog.at_level("WARNING", logger="hf_sparse_cp.trainer.context_parallel"):
+        with caplog.at_level("WARNING", logger="hf_sparse_cp.trainer.cp_checks"):
             warn_inexact(SimpleNamespace(model=model, is_world_process_zero=lambda zero=zero: zero))
         assert ("router load-balancing loss" in caplog.text) == zero
         caplog.clear()
