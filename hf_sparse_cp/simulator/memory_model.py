@@ -67,44 +67,46 @@ class _SavedByDtype(Mapping[str, tuple[LayerSaved, ...]]):
     """`shapes.layer_saved` of the meta-device `model` for each activation dtype of `DTYPE_BYTES`, measured at its
     first lookup (a dtype's is three forwards of the whole model: an 8B config's three dtypes took 5 s, and a
     prediction reads one); bfloat16's at once, so that a model the measurement refuses is refused when it is read.
-    `twin`: builds the Llama model of the same shape (`beyond_llama`), for a family that token tiles run."""
+    `measure` takes the other regimes: LoRA's frozen layers, autocast over fp32 weights. `twin`: builds the Llama model
+    of the same shape (`beyond_llama`), for a family that token tiles run."""
 
     def __init__(self, model: torch.nn.Module, kv_heads: int, where: str,
                  twin: Callable[[], torch.nn.Module] | None = None) -> None:
         self._model, self._kv_heads, self._where, self._twin = model, kv_heads, where, twin
-        self._measured: dict[str, tuple[LayerSaved, ...]] = {}
-        self._frozen: dict[str, tuple[LayerSaved, ...]] = {}
-        self._beyond: dict[tuple[str, bool], tuple[LayerSaved, ...] | None] = {}
+        self._measured: dict[tuple[str, bool, bool], tuple[LayerSaved, ...]] = {}
+        self._beyond: dict[tuple[str, bool, bool], tuple[LayerSaved, ...] | None] = {}
         self["bfloat16"]  # noqa: B018 (measured for its errors)
 
-    def beyond_llama(self, dtype: str, frozen: bool) -> tuple[LayerSaved, ...] | None:
+    def measure(self, dtype: str, frozen: bool = False, autocast: bool = False) -> tuple[LayerSaved, ...]:
+        """What the layers save in `dtype`: `frozen`, with their weights frozen (LoRA's base:
+        `layer_saved(frozen=True)`); `autocast`, fp32 weights with autocast to `dtype` (an fp32 residual stream)."""
+        key = dtype, frozen, autocast
+        if key not in self._measured:
+            self._measured[key] = layer_saved(self._model, getattr(torch, dtype), self._kv_heads, self._where,
+                                              frozen=frozen, autocast=autocast)
+        return self._measured[key]
+
+    def beyond_llama(self, dtype: str, frozen: bool = False, autocast: bool = False
+                     ) -> tuple[LayerSaved, ...] | None:
         """What each layer saves beyond the Llama layer of its shape (Qwen3's q/k norms: their fp32 inputs, rsqrt
-        and outputs), measured on both models in `dtype` (`frozen`: the layers' weights frozen, LoRA's base): what
-        stays when token tiles replace the Llama layer's norms and MLP. None without a twin."""
+        and outputs), measured on both models as `measure` does: what stays when token tiles replace the Llama
+        layer's norms and MLP. None without a twin."""
         if self._twin is None:
             return None
-        if (dtype, frozen) not in self._beyond:
-            own = self.frozen(dtype) if frozen else self[dtype]
-            llama = layer_saved(self._twin(), getattr(torch, dtype), self._kv_heads, self._where, frozen=frozen)
-            self._beyond[dtype, frozen] = tuple(
+        key = dtype, frozen, autocast
+        if key not in self._beyond:
+            llama = layer_saved(self._twin(), getattr(torch, dtype), self._kv_heads, self._where, frozen=frozen,
+                                autocast=autocast)
+            self._beyond[key] = tuple(
                 LayerSaved(*(SavedBytes(a.per_token - b.per_token, a.const - b.const)
                              for a, b in zip(_parts(mine), _parts(theirs))))
-                for mine, theirs in zip(own, llama))
-        return self._beyond[dtype, frozen]
-
-    def frozen(self, dtype: str) -> tuple[LayerSaved, ...]:
-        """What the layers save with their weights frozen (LoRA's base: `layer_saved(frozen=True)`), in `dtype`."""
-        if dtype not in self._frozen:
-            self._frozen[dtype] = layer_saved(self._model, getattr(torch, dtype), self._kv_heads, self._where,
-                                              frozen=True)
-        return self._frozen[dtype]
+                for mine, theirs in zip(self.measure(*key), llama))
+        return self._beyond[key]
 
     def __getitem__(self, dtype: str) -> tuple[LayerSaved, ...]:
         if dtype not in DTYPE_BYTES:
             raise KeyError(dtype)
-        if dtype not in self._measured:
-            self._measured[dtype] = layer_saved(self._model, getattr(torch, dtype), self._kv_heads, self._where)
-        return self._measured[dtype]
+        return self.measure(dtype)
 
     def __iter__(self) -> Iterator[str]:
         return iter(DTYPE_BYTES)
@@ -603,8 +605,13 @@ class _Step:
         self.autocast = s.autocast  # (autocast's lower-precision copies of the fp32 weights)
         self.h, self.i = sh.hidden, sh.intermediate
         self.q, self.kv = sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim
+        # The residual stream's bytes (the embedding's output, the residual sums, the norms' outputs, their
+        # gradients): under autocast without FSDP2 (whose mixed precision gathers 16-bit weights) the fp32 embedding
+        # makes it fp32, and an RMSNorm returns its input's dtype; the matrix products cast their input to `dtype`,
+        # each its own copy (autocast caches the weights' casts only)
+        self.r = 4 if self.autocast and s.fsdp == 1 else self.a
         # RMSNorm computes in fp32: a copy of its input unless that is fp32 already
-        self.norm32 = 4 * self.h if self.a < 4 else 0
+        self.norm32 = 4 * self.h if self.r < 4 else 0
         self.offload = s.savers.offload_layer_inputs and s.gradient_checkpointing and s.device == "cuda"
         # each layer's sliding window (None: global); the tape's current layer's is `window`
         self.windows = sh.windows or (None,) * sh.layers
@@ -636,12 +643,15 @@ class _Step:
         """What the current layer saves besides its attention core and MLP, measured (`Architecture.layer_saved`);
         None where it is the Llama layer's counted here: a preset's, and with token tiles (which replace the
         Llama-like families' modules only). With LoRA, measured with the layers' weights frozen (Qwen3's q/k norms
-        keep their fp32 inputs, which a Llama layer has not), where the measurement can be (`_SavedByDtype`)."""
+        keep their fp32 inputs, which a Llama layer has not), and under autocast with an fp32 residual stream, where
+        the measurement can be (`_SavedByDtype.measure`)."""
         if self.arch.layer_saved is None or self.s.savers.tiled:
             return None
-        if self.lora is not None:
-            frozen = getattr(self.arch.layer_saved, "frozen", None)
-            return None if frozen is None else frozen(self.s.dtype)[self.layer]
+        measure = getattr(self.arch.layer_saved, "measure", None)
+        if measure is not None:
+            return measure(self.s.dtype, frozen=self.lora is not None, autocast=self.r > self.a)[self.layer]
+        if self.lora is not None or self.r > self.a:  # (a given mapping holds the plain regime's only)
+            return None
         return self.arch.layer_saved[self.s.dtype][self.layer]
 
     @property
@@ -651,7 +661,7 @@ class _Step:
         beyond = getattr(self.arch.layer_saved, "beyond_llama", None)
         if not self.s.savers.tiled or beyond is None:
             return None
-        layers = beyond(self.s.dtype, frozen=self.lora is not None)
+        layers = beyond(self.s.dtype, frozen=self.lora is not None, autocast=self.r > self.a)
         return None if layers is None else layers[self.layer]
 
     @property
@@ -676,14 +686,14 @@ class _Step:
         """An RMSNorm of a [T, H] input. Stock: fp32 copy x32, pow / x * rsqrt temporaries of its size,
         the normalized input in the input dtype; saved: x32, rsqrt, the normalized input. Tiled: a
         tile's temporaries; saved: nothing of its own (its input, which the caller holds)."""
-        tape, a, h = self.tape, self.a, self.h
+        tape, r, h = self.tape, self.r, self.h
         if self.s.savers.tiled:
-            tape.transient("RMSNorm fp32 copies", *self.tiles(2 * self.norm32 + 2 * a * h))
-            return [], tape.alloc("attention tensors", per_token=a * h)
+            tape.transient("RMSNorm fp32 copies", *self.tiles(2 * self.norm32 + 2 * r * h))
+            return [], tape.alloc("attention tensors", per_token=r * h)
         x32 = tape.alloc("RMSNorm fp32 copies", per_token=self.norm32)
         tape.transient("RMSNorm fp32 copies", per_token=4 * h)  # pow(2); then x * rsqrt
-        normed = tape.alloc("RMSNorm fp32 copies", per_token=a * h + (4 if grad else 0))  # (+ rsqrt)
-        out = tape.alloc("attention tensors", per_token=a * h)
+        normed = tape.alloc("RMSNorm fp32 copies", per_token=r * h + (4 if grad else 0))  # (+ rsqrt)
+        out = tape.alloc("attention tensors", per_token=r * h)
         if grad and self.lora is not None:  # a frozen weight's product keeps no normalized input: rsqrt alone
             tape.free(normed)
             return [x32, tape.alloc("RMSNorm fp32 copies", per_token=4)], out
@@ -773,6 +783,19 @@ class _Step:
         tape.free(m)
         return []
 
+    def cast_for_products(self, output: int, products: int, saved: list[int]) -> int | None:
+        """A norm's `output` read by `products` matrix products: under an fp32 residual stream (`r` > `a`) each
+        casts it to the compute dtype, its own copy, which it saves (appended to `saved`; LoRA's frozen products
+        save none) and the output is freed (None returned); otherwise they save the output itself (returned)."""
+        if self.r == self.a:
+            return output
+        if self.lora is not None:  # (the adapters' own copies: `lora_saved`)
+            self.tape.transient("attention tensors", per_token=self.a * self.h)
+            return output
+        saved += [self.tape.alloc("attention tensors", per_token=self.a * self.h) for _ in range(products)]
+        self.tape.free(output)
+        return None
+
     def lora_saved(self, source: str) -> tuple[list[int], bool]:
         """What the LoRA adapters on the matrices reading `source` (`lora.MODULE_INPUTS`) save for backward (see
         `simulator.lora`): per adapter its input's copy (fp32 adapters of a 16-bit model: fp32; under autocast: the
@@ -798,17 +821,17 @@ class _Step:
 
     def layer_forward(self) -> int:
         """Without autograd (inside the checkpoint); returns the output."""
-        tape, a, h = self.tape, self.a, self.h
+        tape, a, r, h = self.tape, self.a, self.r, self.h
         _, n1 = self.norm(False)
         self.attention(False)
         tape.free(n1)
         o = tape.alloc("attention tensors", per_token=a * h)
-        h1 = tape.alloc("attention tensors", per_token=a * h)  # the residual sum
+        h1 = tape.alloc("attention tensors", per_token=r * h)  # the residual sum
         tape.free(o)
         _, n2 = self.norm(False)
         self.mlp(False)
         tape.free(n2)
-        out = tape.alloc("saved layer inputs", per_token=0 if self.offload else a * h)
+        out = tape.alloc("saved layer inputs", per_token=0 if self.offload else r * h)
         tape.free(h1)
         return out
 
@@ -823,9 +846,10 @@ class _Step:
         whole forward of the layer whose input is `layer_input`, which it frees once the residual sum is made unless
         its first norm saves it (an fp32 or tiled norm, as the second keeps the residual sum). Returns the saved
         tensors by module and the layer's output (None when recomputed)."""
-        tape, a, h = self.tape, self.a, self.h
+        tape, a, r, h = self.tape, self.a, self.r, self.h
         saves_input = self.s.savers.tiled or not self.norm32  # the tiled norm saves its input; so does an fp32 one
         saved1, n1 = self.norm(True)
+        n1 = self.cast_for_products(n1, 3, saved1)  # (q, k, v)
         att = self.attention(True)
         lora, lora_mlp = [], []  # (LoRA: frozen matrices save no input; the adapters save theirs)
         if self.lora is not None:
@@ -840,11 +864,13 @@ class _Step:
             if not keep and (self.s.device == "cpu" or self.s.cp > 1):  # o_proj's own copy of its input
                 tape.free(att[-1])
                 att[-1] = None
-        h1 = tape.alloc("attention tensors", per_token=a * h)
+        h1 = tape.alloc("attention tensors", per_token=r * h)
         tape.free(o)
         if layer_input is not None and not saves_input:
             tape.free(layer_input)
         saved2, n2 = self.norm(True)
+        if not self.s.savers.tiled:  # (a tile's products cast the tile)
+            n2 = self.cast_for_products(n2, self.arch.shape.mlp_matrices - 1, saved2)  # (gate and up, or fc1)
         mlp = self.mlp(True)
         if self.lora is not None:
             lora_mlp, keep = self.lora_saved("norm2")
@@ -861,7 +887,7 @@ class _Step:
             tape.transient("attention tensors", per_token=a * h)  # the MLP's output, made before the stop
         else:  # the MLP's output and the residual sum, the next layer's input
             mlp_out = tape.alloc("attention tensors", per_token=a * h)
-            out = tape.alloc("layers' saved activations", per_token=a * h)
+            out = tape.alloc("layers' saved activations", per_token=r * h)
             tape.free(mlp_out)
         if saves_input:
             saved2.append(h1)
@@ -901,14 +927,14 @@ class _Step:
     def layer_backward(self, saved: dict[str, list[int]], grad_out: int) -> int:
         """Backward through a recomputed layer, freeing each module's saved tensors after its backward;
         returns the gradient of the layer's input."""
-        tape, a, h, i, q, kv, hq = self.tape, self.a, self.h, self.i, self.q_att, self.kv_att, self.hq_att
-        sh = self.arch.shape
+        tape, a, r, h, i = self.tape, self.a, self.r, self.h, self.i
+        q, kv, hq, sh = self.q_att, self.kv_att, self.hq_att, self.arch.shape
         if self.s.savers.tiled:  # fp32 weight-gradient sums; per tile: the recomputed intermediates and theirs
             trained = sh.mlp_matrices * h * i if self.lora is None else sum(  # (LoRA: the MLP's adapters' only)
                 self.lora.rank * sum(module_features(sh, name)) for name in self.lora.targets
                 if MODULE_INPUTS[name] in ("norm2", "mlp"))
             sums = tape.alloc("MLP intermediate", const=trained * 4)
-            g_n2 = tape.alloc("hidden-state gradients", per_token=a * h)
+            g_n2 = tape.alloc("hidden-state gradients", per_token=r * h)
             tape.transient("MLP intermediate", *self.tiles((sh.mlp_saved + sh.mlp_matrices) * a * i))
             tape.free(sums)
         elif not sh.gated:
@@ -917,7 +943,7 @@ class _Step:
             tape.free(act)
             g_p = tape.alloc("MLP intermediate", per_token=a * i)  # the activation's backward
             tape.free(g_act, p)
-            g_n2 = tape.alloc("hidden-state gradients", per_token=a * h)  # fc1 backward
+            g_n2 = tape.alloc("hidden-state gradients", per_token=r * h)  # fc1 backward
             tape.free(g_p)
         else:
             g, act, up, m = saved["mlp"]
@@ -927,13 +953,13 @@ class _Step:
             tape.free(act, up, gm)
             gg = tape.alloc("MLP intermediate", per_token=a * i)  # SiLU backward
             tape.free(ga, g)
-            g_n2 = tape.alloc("hidden-state gradients", per_token=a * h)  # up_proj and gate_proj backward
-            tape.transient("hidden-state gradients", per_token=a * h)
+            g_n2 = tape.alloc("hidden-state gradients", per_token=r * h)  # up_proj and gate_proj backward
+            tape.transient("hidden-state gradients", per_token=r * h)
             tape.free(gu, gg)
         # post-attention RMSNorm backward: a few fp32 temporaries of the input's size (tiled: one tile's)
         tape.transient("RMSNorm fp32 copies", *self.tiles(3 * 4 * h))
         tape.free(*saved["norm2"], *saved.get("lora_mlp", ()))
-        g_h1 = tape.alloc("hidden-state gradients", per_token=a * h)  # + the residual's gradient (grad_out)
+        g_h1 = tape.alloc("hidden-state gradients", per_token=r * h)  # + the residual's gradient (grad_out)
         tape.free(g_n2, grad_out)
         g_att = tape.alloc("hidden-state gradients", per_token=a * self.q)  # o_proj backward
         if self.s.device == "cpu" or self.s.cp > 1:  # o_proj's input was its own copy of the output
@@ -969,16 +995,16 @@ class _Step:
             tape.free(*grads)
             grads = local
         tape.transient("hidden-state gradients", per_token=2 * a * self.q)  # RoPE backward: grad * cos, grad * sin
-        g_n1 = tape.alloc("hidden-state gradients", per_token=a * h)  # q/k/v projections backward
+        g_n1 = tape.alloc("hidden-state gradients", per_token=r * h)  # q/k/v projections backward
         tape.free(*grads)
         tape.transient("RMSNorm fp32 copies", *self.tiles(3 * 4 * h))
         tape.free(*saved["norm1"], *saved.get("lora", ()))
-        out = tape.alloc("hidden-state gradients", per_token=a * h)
+        out = tape.alloc("hidden-state gradients", per_token=r * h)
         tape.free(g_n1, g_h1)
         return out
 
     def run(self) -> dict:
-        arch, s, tape, a, w, h = self.arch, self.s, self.tape, self.a, self.w, self.h
+        arch, s, tape, a, r, w, h = self.arch, self.s, self.tape, self.a, self.r, self.w, self.h
         n_layers = arch.shape.layers
         tape.phase = "forward"
         # (LoRA: the frozen base's weights in their dtype, the adapters' in fp32; only the adapters train)
@@ -988,7 +1014,7 @@ class _Step:
         if s.fsdp > 1:  # FSDP2: the current layer's gathered weights and the next one's (prefetch)
             tape.alloc("FSDP gathered layers", const=2 * (arch.layer_params * w + adapters * 4))
         tape.alloc("inputs and token metadata", per_token=8 * 4 + 12)  # ids, labels, positions, shifted labels
-        tape.alloc("rotary cos/sin", per_token=2 * arch.shape.head_dim * a)
+        tape.alloc("rotary cos/sin", per_token=2 * arch.shape.head_dim * r)  # (in the hidden states' dtype)
         checkpointing = s.gradient_checkpointing
         # (autocast caches the copies of the weights that train: a frozen weight is cast at each use, its copy freed)
         casts = tape.alloc("autocast weight copies", const=n_layers * (adapters if lora else arch.layer_params) * a) \
@@ -997,7 +1023,7 @@ class _Step:
         # to its backward; its input (`floor`) freed by its forward or saved with its first norm's tensors
         layer_casts: list[int | None] = []
         layer_saved: list[dict[str, list[int]]] = []
-        floor = [tape.alloc("saved layer inputs", per_token=0 if self.offload else a * h)]  # the embedding
+        floor = [tape.alloc("saved layer inputs", per_token=0 if self.offload else r * h)]  # the embedding
         for layer, window in enumerate(self.windows):
             self.layer, self.window = layer, window
             if checkpointing:
@@ -1010,11 +1036,11 @@ class _Step:
             layer_saved.append(saved)
             floor.append(out)
         last = floor.pop()  # the final norm's input (saved by the norm, not by a checkpoint)
-        tape.live[last] = ("hidden-state gradients", a * h, 0.0)
+        tape.live[last] = ("hidden-state gradients", r * h, 0.0)
 
         tape.phase = "loss"
         final_saved, hidden = self.norm(True)
-        loss_saved = _loss(tape, arch, s, self.t, a, w)
+        loss_saved = _loss(tape, arch, s, self.t, a, w, r)
         if arch.lean_loss:  # (its gradients are computed: the LM head's input is not kept)
             tape.free(hidden)
 
@@ -1026,15 +1052,15 @@ class _Step:
             tape.free(*loss_saved[1:])
             grad_hidden = loss_saved[0]
         else:
-            grad_hidden = _stock_loss_backward(tape, arch, s, loss_saved, hidden, a, w)
+            grad_hidden = _stock_loss_backward(tape, arch, s, loss_saved, hidden, a, w, r)
         tape.transient("RMSNorm fp32 copies", *self.tiles(3 * 4 * h))
         tape.free(*final_saved, last)
-        grad = tape.alloc("hidden-state gradients", per_token=a * h)
+        grad = tape.alloc("hidden-state gradients", per_token=r * h)
         tape.free(grad_hidden)
         for layer in reversed(range(n_layers)):
             self.layer, self.window = layer, self.windows[layer]
             if checkpointing:
-                copied = tape.alloc("saved layer inputs", per_token=a * h) if self.offload else None
+                copied = tape.alloc("saved layer inputs", per_token=r * h) if self.offload else None
                 cast = tape.alloc("autocast weight copies", const=(arch.layer_params + adapters) * a) \
                     if self.autocast else None  # (which the frozen matrices' products save for the input's gradient)
                 saved = self.layer_recompute()
@@ -1076,10 +1102,11 @@ def predict_step_memory(arch: Architecture, seq_len: int, settings: StepSettings
     return MemoryEstimate(arch.name, seq_len, step.t, s, step.run(), step.width)
 
 
-def _loss(tape: _Tape, arch: Architecture, s: StepSettings, t: int, a: int, w: int) -> list[int]:
+def _loss(tape: _Tape, arch: Architecture, s: StepSettings, t: int, a: int, w: int, r: int) -> list[int]:
     """The loss's forward; returns the tensors kept for backward. The lean loss computes the gradients (the hidden
-    states' first); the stock forward (`arch.lean_loss` off) the LM head's logits in the input dtype, their fp32
-    copy and its log-softmax, which it keeps (the caller drops the model's output, and with it the logits)."""
+    states' first, in their dtype: `r` bytes); the stock forward (`arch.lean_loss` off) the LM head's logits in the
+    compute dtype, their fp32 copy and its log-softmax, which it keeps (the caller drops the model's output, and with
+    it the logits)."""
     sh = arch.shape
     h, v = sh.hidden, sh.vocab
     vh = v * h
@@ -1094,12 +1121,12 @@ def _loss(tape: _Tape, arch: Architecture, s: StepSettings, t: int, a: int, w: i
         # liger-kernel 0.8.5: chunks of next_pow2(ceil(T / ceil(V / H))) tokens; logits in the input dtype;
         # weight-gradient accumulator in the weight's dtype; the input's gradient; an fp32 loss per token
         chunk = min(t, 2 ** math.ceil(math.log2(max(1, math.ceil(t / math.ceil(v / h))))))
-        grad_h = tape.alloc("loss: hidden gradient", per_token=a * h + 4)
+        grad_h = tape.alloc("loss: hidden gradient", per_token=r * h + 4)
         grad_w = tape.alloc("loss: weight-gradient buffers", const=vh * w * trained)
         tape.transient("loss: logits chunk", const=chunk * v * a)
         return [grad_h, grad_w]
     chunk = max(1, min(t, (256 * 2**20) // (4 * v)))  # hf_sparse_cp.loss.chunked.default_chunk_size
-    grad_h = tape.alloc("loss: hidden gradient", per_token=a * h + 9)  # + the valid flags and targets
+    grad_h = tape.alloc("loss: hidden gradient", per_token=r * h + 9)  # + the valid flags and targets
     acc = tape.alloc("loss: weight-gradient buffers", const=vh * 4 * trained)
     # A chunk: fp32 logits, and logsumexp's (logits - max); the previous chunk's gradient (in the input dtype;
     # fp32: the previous logits buffer) is released only when the loop rebinds it, after this chunk's logits.
@@ -1115,7 +1142,7 @@ def _loss(tape: _Tape, arch: Architecture, s: StepSettings, t: int, a: int, w: i
 
 
 def _stock_loss_backward(tape: _Tape, arch: Architecture, s: StepSettings, saved: list[int], hidden: int, a: int,
-                         w: int) -> int:
+                         w: int, r: int) -> int:
     """The stock loss's backward: the NLL's and the log-softmax's fp32 [tokens, vocab] gradients beside the saved
     log-softmax, the logits' gradient in the input dtype, then the LM head's (its weight's gradient, the hidden
     states'); returns the hidden states' gradient."""
@@ -1125,7 +1152,7 @@ def _stock_loss_backward(tape: _Tape, arch: Architecture, s: StepSettings, saved
     logits = tape.alloc("loss: logits", per_token=a * v * (a < 4))  # (fp32 logits: the log-softmax's gradient)
     tape.free(log_softmax)
     tape.alloc("gradients", const=0 if s.lora else arch.embedding_params * w / s.fsdp)
-    grad = tape.alloc("hidden-state gradients", per_token=a * arch.shape.hidden)
+    grad = tape.alloc("hidden-state gradients", per_token=r * arch.shape.hidden)
     tape.free(logits, hidden)
     return grad
 

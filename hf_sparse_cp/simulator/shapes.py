@@ -152,6 +152,49 @@ class _AttentionStandIn(TorchFunctionMode):
         return out
 
 
+class _AutocastStandIn(TorchFunctionMode):
+    """Autocast's casts in a measuring forward on the meta device (where torch's autocast casts nothing): the matrix
+    products take their floating inputs in `dtype`, each cast its own copy (which the product saves), except a
+    parameter's, cast once and kept (autocast's weight cache: `weight_casts`, not an activation); the normalizations
+    and softmaxes of autocast's fp32 list take theirs in fp32. `sources` maps each activation cast's storage to its
+    input's, so that a module's own casts of its input are told from what it creates."""
+
+    LOWER = (torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
+             torch.bmm, torch.addmm, torch.baddbmm, torch.Tensor.addmm,
+             torch.nn.functional.scaled_dot_product_attention)  # (our attention takes q, k, v in autocast's dtype)
+    FP32 = (torch.nn.functional.layer_norm, torch.nn.functional.group_norm, torch.softmax, torch.log_softmax,
+            torch.nn.functional.softmax, torch.nn.functional.log_softmax, torch.Tensor.softmax)
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.weight_casts: dict[int, torch.Tensor] = {}
+        self.weight_storages: set[int] = set()
+        self.sources: dict[int, int] = {}
+        self.held: list[torch.Tensor] = []  # (casts alive until the end: a freed storage's identity is reused)
+
+    def _cast(self, value: Any, dtype: torch.dtype) -> Any:
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dtype == dtype:
+            return value
+        if isinstance(value, torch.nn.Parameter):
+            if id(value) not in self.weight_casts:
+                self.weight_casts[id(value)] = value.to(dtype)
+                self.weight_storages.add(_storage(self.weight_casts[id(value)]))
+            return self.weight_casts[id(value)]
+        cast = value.to(dtype)
+        self.sources[_storage(cast)] = _storage(value)
+        self.held.append(cast)
+        return cast
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dtype = self.dtype if func in self.LOWER else torch.float32 if func in self.FP32 else None
+        if dtype is not None:
+            args = tuple(self._cast(value, dtype) for value in args)
+            kwargs = {name: self._cast(value, dtype) for name, value in kwargs.items()}
+        return func(*args, **kwargs)
+
+
 def _grouped_heads(*_: Any, **__: Any) -> bool:
     return True
 
@@ -184,16 +227,18 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _saved_at(model: torch.nn.Module, layers: list[torch.nn.Module], tokens: int, kv_heads: int, where: str
-              ) -> list[tuple[int, int, int]]:
+def _saved_at(model: torch.nn.Module, layers: list[torch.nn.Module], tokens: int, kv_heads: int, where: str,
+              autocast: torch.dtype | None = None) -> list[tuple[int, int, int]]:
     """Per decoder layer, (before, inputs, after) bytes of `LayerSaved` in one forward of `model` (on the meta device,
-    with grad) of one sequence of `tokens`, attention through `_AttentionStandIn`."""
+    with grad) of one sequence of `tokens`, attention through `_AttentionStandIn`; with autocast's casts to
+    `autocast` (`_AutocastStandIn`) where given."""
     known = {_storage(t) for t in (*model.parameters(), *model.buffers())}
     saved: list[dict[int, tuple[int, bool]]] = [{} for _ in layers]  # storage -> (bytes, after the attention call)
     mlp_saved: list[set[int]] = [set() for _ in layers]  # saved inside the MLP: its input, and what it creates
     mlp_inputs: list[set[int]] = [set() for _ in layers]
     state = {"mlp": False}
     stand_in = _AttentionStandIn()
+    casts = _AutocastStandIn(autocast) if autocast is not None else None
     held: list[torch.Tensor] = []  # (the arguments, alive until the end: a freed storage's identity is reused)
 
     def enter(index: int, args, kwargs) -> None:
@@ -212,7 +257,8 @@ def _saved_at(model: torch.nn.Module, layers: list[torch.nn.Module], tokens: int
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         index = stand_in.layer
-        if index is not None and _storage(t) not in known:
+        if index is not None and _storage(t) not in known and (casts is None or
+                                                                _storage(t) not in casts.weight_storages):
             after = any(call[0] == index for call in stand_in.calls)
             saved[index].setdefault(_storage(t), (t.untyped_storage().nbytes(), after))
             if state["mlp"]:
@@ -229,7 +275,9 @@ def _saved_at(model: torch.nn.Module, layers: list[torch.nn.Module], tokens: int
     kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
     try:
         # (a 4D mask: transformers' mask functions return it as given, reading no token's value on the meta device)
-        with stand_in, _sdpa_keeps_key_value_heads(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        # (autocast's casts entered last: they run first, and the attention's stand-in records the cast q, k, v)
+        with stand_in, casts or contextlib.nullcontext(), _sdpa_keeps_key_value_heads(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(input_ids=torch.zeros(1, tokens, dtype=torch.long, device="meta"),
                   attention_mask=torch.ones(1, 1, tokens, tokens, dtype=torch.bool, device="meta"), **kwargs)
     except Exception as error:  # (any architecture's failure on the meta device: reported, never guessed around)
@@ -249,7 +297,9 @@ def _saved_at(model: torch.nn.Module, layers: list[torch.nn.Module], tokens: int
                              f"attention call of the config's {kv_heads} key/value heads; give a decoder with one, or "
                              "a preset (--model).")
         _, q, k, v, output = calls[0]
-        created = (mlp_saved[index] - mlp_inputs[index]) | {_storage(output)}
+        # (the MLP's products' casts of its input are the input's copies, not what it creates)
+        inputs_cast = {c for c, source in casts.sources.items() if source in mlp_inputs[index]} if casts else set()
+        created = (mlp_saved[index] - mlp_inputs[index] - inputs_cast) | {_storage(output)}
         parts = [sum(n for s, (n, late) in saved[index].items() if late == after and s not in created)
                  for after in (False, True)]
         inputs = {_storage(t): t.untyped_storage().nbytes() for t in (q, k, v)
@@ -258,13 +308,15 @@ def _saved_at(model: torch.nn.Module, layers: list[torch.nn.Module], tokens: int
     return out
 
 
-def layer_saved(model: torch.nn.Module, dtype: torch.dtype, kv_heads: int, where: str, frozen: bool = False
-                ) -> tuple[LayerSaved, ...]:
+def layer_saved(model: torch.nn.Module, dtype: torch.dtype, kv_heads: int, where: str, frozen: bool = False,
+                autocast: bool = False) -> tuple[LayerSaved, ...]:
     """`LayerSaved` of each decoder layer of `model` (built on the meta device) with activations in `dtype`, counted by
     autograd's saved-tensor hooks in forwards with grad at `SAVED_LENGTHS` tokens, the attention through SDPA's
     stand-in (`_AttentionStandIn`), without dropout. The model is moved to `dtype`, set to eval and its attention to
     SDPA. `frozen`: the decoder layers' weights without grad (LoRA's frozen base: a product keeps no input for its
-    weight's gradient, a norm no normalized input), the layers' input still with it.
+    weight's gradient, a norm no normalized input), the layers' input still with it. `autocast`: the model in fp32
+    with autocast's casts to `dtype` (`_AutocastStandIn`), as the Trainer's mixed precision runs an fp32 model: its
+    embedding's output, and so the residual stream, fp32.
 
     Raises:
         ValueError: the model does not run on the meta device, a layer makes other than one attention call of
@@ -276,13 +328,15 @@ def layer_saved(model: torch.nn.Module, dtype: torch.dtype, kv_heads: int, where
         raise ValueError(f"{where}: the predictions measure what a decoder layer saves around its attention call "
                          f"through SDPA, which {type(model).__name__} does not take ({error}); give a decoder that "
                          "does, or a preset (--model).") from error
-    model.to(dtype).eval()  # (dropout's masks are not counted: on the meta device they are not a CPU's or a GPU's)
+    # (dropout's masks are not counted: on the meta device they are not a CPU's or a GPU's)
+    model.to(torch.float32 if autocast else dtype).eval()
     layers = decoder_layers(model)
     trained = [p for layer in layers for p in layer.parameters() if p.requires_grad] if frozen else []
     for p in trained:
         p.requires_grad_(False)
     try:
-        counts = [_saved_at(model, layers, tokens, kv_heads, where) for tokens in SAVED_LENGTHS]
+        counts = [_saved_at(model, layers, tokens, kv_heads, where, dtype if autocast else None)
+                  for tokens in SAVED_LENGTHS]
     finally:
         for p in trained:
             p.requires_grad_(True)
