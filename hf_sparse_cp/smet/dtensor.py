@@ -44,16 +44,15 @@ def row_offset(param: torch.Tensor) -> int:
     return offset
 
 
-def like_param(param: torch.Tensor, state: torch.Tensor, global_rows: int | None = None) -> torch.Tensor:
+def like_param(param: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """`state` (the local rows of a per-row optimizer state) as a DTensor laid out like `param`.
 
-    The global shape is `[param.shape[0], *state.shape[1:]]` (or `global_rows` rows), so a checkpoint
+    The global shape is `[param.shape[0], *state.shape[1:]]`, so a checkpoint
     holds every row once and can be loaded under another sharding. Plain parameters give `state` back.
     """
     if not isinstance(param, DTensor):
         return state
-    rows = param.shape[0] if global_rows is None else global_rows
-    shape = torch.Size((rows, *state.shape[1:]))
+    shape = torch.Size((param.shape[0], *state.shape[1:]))
     return DTensor.from_local(
         state, param.device_mesh, param.placements, run_check=False, shape=shape, stride=_contiguous_stride(shape)
     )
