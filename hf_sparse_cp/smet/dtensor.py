@@ -54,7 +54,7 @@ def like_param(param: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         return state
     shape = torch.Size((param.shape[0], *state.shape[1:]))
     return DTensor.from_local(
-        state, param.device_mesh, param.placements, run_check=False, shape=shape, stride=_contiguous_stride(shape)
+        state, param.device_mesh, param.placements, run_check=False, shape=shape, stride=contiguous_stride(shape)
     )
 
 
@@ -70,9 +70,7 @@ def local_rows_of(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value[start : start + local(param).shape[0]]
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
+def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`, as torch lays one out (a size-0 dimension counts as 1): what a
+    DTensor built from a local shard with a global `shape` declares."""
+    return torch.empty(shape, device="meta").stride()
