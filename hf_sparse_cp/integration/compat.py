@@ -3,8 +3,7 @@
 Most of the integration goes through public APIs (`AttentionInterface.register`, `TrainerCallback`,
 forward hooks). What remains is listed here, one `Patch` each: a private member read or called, or a
 replacement (a method on one Trainer or Accelerator instance, a class attribute, process-wide
-state, an inserted callback), with why, the releases it was tested with (`TESTED_VERSIONS`) and how
-it is undone. Nothing else names these members but the calls of `upstream.py`, each behind its `require`:
+state, an inserted callback), with why, the releases it was tested with (`TESTED_VERSIONS`) and how it is undone:
 
 * `PatchSet.set_attr` / `insert` / `set_item` (`patching.py`) refuse a replacement that has no
   entry here (`replacement_for`);
@@ -15,8 +14,10 @@ it is undone. Nothing else names these members but the calls of `upstream.py`, e
 * each replacement has an apply / check / undo test (`tests/unit/test_patch_registry.py`,
   `tests/distributed/test_patch_registry_cp.py`).
 
-The calls that use these members live beside it: `upstream.py` (each checks its member with `require` first),
-`trainer_losses.py` (the trainers' losses CP reproduces) and `fsdp_class_names.py` (class-name checks past FSDP2).
+Beside it: `upstream.py`, the calls through a member that differs between releases or is checked when a feature
+needs it (`require`); other members are used where their feature lives, which the entry's why names by its module
+under hf_sparse_cp (`trainer.generated_rows`, `distributed.comm.group_timeout`, ...); `trainer_losses.py`, the
+trainers' losses CP reproduces; `fsdp_class_names.py`, class-name checks past FSDP2.
 """
 
 from __future__ import annotations
