@@ -15,9 +15,9 @@ state, an inserted callback), with why, the releases it was tested with (`TESTED
   `tests/distributed/test_patch_registry_cp.py`).
 
 Beside it: `upstream.py`, the calls through a member that differs between releases or is checked when a feature
-needs it (`require`); other members are used where their feature lives, which the entry's why names by its module
-under hf_sparse_cp (`trainer.generated_rows`, `distributed.comm.group_timeout`, ...); `trainer_losses.py`, the
-trainers' losses CP reproduces; `fsdp_class_names.py`, class-name checks past FSDP2.
+needs it (`require`); other members are used where their feature lives (a why names the plugin's code by its module
+under hf_sparse_cp: `trainer.generated_rows`, `distributed.comm.group_timeout`); `trainer_losses.py`, the trainers'
+losses CP reproduces; `fsdp_class_names.py`, class-name checks past FSDP2.
 """
 
 from __future__ import annotations
@@ -267,14 +267,16 @@ PATCHES = (
               "rows as DPO does (`integration.trainer_losses.cp_generated_row_losses`, `trainer.generated_rows`)",
               parameters=("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
         Patch(f"trl.{trainer}Trainer", "_prepare_inputs", "replaces", "under CP, each CP group's first rank generates, "
-              "scores and computes the reference and old log-probabilities of the step's rows (the trainer's own "
-              "code, seen data-parallel), and broadcasts them to its group", _CP_UNDO, ("self", "generation_batch")),
+              "scores and computes the reference and old log-probabilities of the step's rows (the trainer's own code, "
+              "seen data-parallel), and broadcasts them to its group (`trainer.generated_rows`)",
+              _CP_UNDO, ("self", "generation_batch")),
         Patch(f"trl.{trainer}Trainer", "_metrics", "reads", f"under CP, the metrics {trainer} logs, which each CP "
               "group's first rank computes as it generates (`_prepare_inputs`), go to the other ranks of its group "
               "with the step's rows (their values copied into the others' dict of the step's metrics)",
               on_instances=True),
         Patch(f"trl.{trainer}Trainer", "_compute_loss", "replaces", f"under CP, {trainer}'s loss and metrics run in "
-              "the data-parallel view (its normalization by num_processes, its gathers of metrics over the DP group)",
+              "the data-parallel view (its normalization by num_processes, its gathers of metrics over the DP group; "
+              "`trainer.generated_rows`)",
               _CP_UNDO, ("self", "model", "inputs")),
         *(Patch(f"trl.trainer.{trainer.lower()}_trainer", name, "replaces", f"while {trainer}'s own code runs under "
                 f"CP, the {name} it imports from accelerate is the data-parallel view's (over the DP group: its "
@@ -286,7 +288,7 @@ PATCHES = (
               "config counted every process)", _CP_UNDO),
         Patch(f"trl.{trainer}Trainer", "_logs", "replaces", f"under CP, the completions {trainer} logs "
               "(--log_completions) are kept in queues of the data-parallel generation batch's length (its __init__ "
-              "sized them by every process's)", _CP_UNDO, on_instances=True))),
+              "sized them by every process's; `trainer.generated_rows`)", _CP_UNDO, on_instances=True))),
     Patch(_TRAINER, "accelerator", "replaces", "while the own code of a trainer that generates its rows (GRPO, RLOO) "
           "runs under CP, its accelerator is the data-parallel view (`trainer.generated_rows.DataParallelView`): "
           "num_processes, process_index and collectives over the DP group",
@@ -323,7 +325,8 @@ PATCHES = (
           "it (before: no DDP, each process stepped with its own gradients, a CP rank with its shard's)",
           "detach_from_trainer(trainer)", ("self", "model", "device_placement", "evaluation_mode")),
     Patch(_ACCELERATOR, "_models", "reads", "a model prepared for evaluation only, then again for training, is listed "
-          "once among the accelerator's models (its earlier entry dropped), as in a run that trains first",
+          "once among the accelerator's models (its earlier entry dropped), as in a run that trains first "
+          "(`trainer.attach`)",
           on_instances=True),
     Patch(_ACCELERATOR, "gather_for_metrics", "replaces", "every rank of a CP group evaluates the same batch: the "
           "gather keeps each CP group's values once, before truncating a short last batch", _CP_UNDO,
