@@ -221,3 +221,13 @@ def test_every_name_of_the_plugins_code_in_the_table_says_its_module():
             if not hasattr(hf_sparse_cp, call) and not _ours(call):
                 problems.append(f"{patch.qualified}: undo {call}() is neither hf_sparse_cp's nor `module.name`")
     assert not problems, "\n".join(problems)
+
+
+def test_the_tested_releases_the_docs_state_are_the_tables():
+    """docs/how-it-works.md states the releases `PATCHES` was tested with: it said accelerate 1.10-1.15 while
+    `TESTED_VERSIONS` says 1.16."""
+    text = " ".join((Path(__file__).parents[2] / "docs" / "how-it-works.md").read_text().split())
+    for package, name in (("transformers", "transformers"), ("accelerate", "accelerate"), ("torch", "torch"),
+                          ("triton", "Triton")):
+        low, high = compat.TESTED_VERSIONS[package]
+        assert f"{name} {low}-{high}" in text, f"docs/how-it-works.md: {name} {low}-{high} (compat.TESTED_VERSIONS)"
