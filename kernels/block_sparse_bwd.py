@@ -57,7 +57,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_sparse_fwd import dot_precision, kv_descriptors, launch_grid, lean_rows, placeholder_if_empty
+from .block_sparse_fwd import (
+    dot_precision,
+    kv_descriptors,
+    launch_grid,
+    lean_rows,
+    placeholder_if_empty,
+    result_buffer,
+)
 from .column_bwd import column_grads
 from .configs import FP_FUSION, column_check_chunk, column_tiles, compiled, dkdv_tiles, dq_tiles
 from .indexing import PACKED_BLOCK_BITS, column_targets, key_block_csr, packed_entries_fit
@@ -409,7 +416,7 @@ def backward(
     on_gpu = compiled(dev)
     # every gradient straight in its final form, written once by its kernel; the columns' dk/dv are
     # summed in fp32 first (atomically or in partial sums: `col_dk`, `col_dv`) and seed the dk/dv kernel
-    dq, dk, dv = (_gradient(x, grads_in_input_dtype) for x in (q, k, v))
+    dq, dk, dv = (result_buffer(x, grads_in_input_dtype) for x in (q, k, v))
     if b == 0 or sq == 0 or sk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     has_cols = col_idx.shape[-1] > 0
@@ -508,11 +515,3 @@ def backward(
         num_warps=kv_tiles.num_warps, num_stages=kv_tiles.num_stages, enable_fp_fusion=FP_FUSION,
     )
     return dq, dk, dv
-
-
-def _gradient(x: torch.Tensor, in_input_dtype: bool) -> torch.Tensor:
-    """The gradient buffer of x [B, H, S, D]: fp32 contiguous, or x's dtype in [B, S, H, D] memory."""
-    b, h, s, d = x.shape
-    if in_input_dtype:
-        return torch.empty(b, s, h, d, dtype=x.dtype, device=x.device).transpose(1, 2)
-    return torch.empty(b, h, s, d, dtype=torch.float32, device=x.device)

@@ -183,6 +183,16 @@ def _forward_kernel(
     tl.store(lse_ptr, lse, mask=m_ok)
 
 
+def result_buffer(x: torch.Tensor, in_input_dtype: bool) -> torch.Tensor:
+    """A result buffer for x [B, H, S, D] (the output of queries x, the gradient of x): fp32 contiguous, or x's dtype in
+    [B, S, H, D] memory (what transformers' attention functions return, so no cast or transpose copy follows). The
+    launches and the custom ops' fake implementations both take it, so their layouts agree."""
+    b, h, s, d = x.shape
+    if in_input_dtype:
+        return torch.empty(b, s, h, d, dtype=x.dtype, device=x.device).transpose(1, 2)
+    return torch.empty(b, h, s, d, dtype=torch.float32, device=x.device)
+
+
 def placeholder_if_empty(t: torch.Tensor) -> torch.Tensor:
     """Kernels take a real pointer even for a layout without columns or blocks (its counts are all 0)."""
     return t if t.numel() else torch.full((1,), -1, dtype=t.dtype, device=t.device)

@@ -57,7 +57,7 @@ def block_sparse_attn_fwd(
     q_index: torch.Tensor, q_segment: torch.Tensor, k_index: torch.Tensor, k_segment: torch.Tensor,
     scale: float, block_size: int, window: Optional[int], out_in_input_dtype: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out = _fresh_out(q, out_in_input_dtype)
+    out = block_sparse_fwd.result_buffer(q, out_in_input_dtype)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     _launchers(q.device)[0].forward(
         q, k, v, block_idx, block_cnt, full_cnt, col_idx, col_cnt, col_full, q_index, q_segment, k_index, k_segment,
@@ -69,16 +69,7 @@ def block_sparse_attn_fwd(
 @block_sparse_attn_fwd.register_fake
 def _(q, k, v, block_idx, block_cnt, full_cnt, col_idx, col_cnt, col_full, q_index, q_segment, k_index, k_segment,
       scale, block_size, window, out_in_input_dtype):
-    return _fresh_out(q, out_in_input_dtype), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-def _fresh_out(q: torch.Tensor, in_input_dtype: bool) -> torch.Tensor:
-    """An output for queries q [B, H, S, D]: fp32 [B, H, S, D], or q's dtype in [B, S, H, D] memory (what
-    transformers' attention functions return, so no cast or transpose copy follows)."""
-    b, h, s, d = q.shape
-    if in_input_dtype:
-        return torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)
-    return torch.empty(b, h, s, d, dtype=torch.float32, device=q.device)
+    return block_sparse_fwd.result_buffer(q, out_in_input_dtype), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("hf_sparse_cp::block_sparse_attn_fwd_merge_", mutates_args=("out", "lse"))
@@ -121,7 +112,7 @@ def block_sparse_attn_bwd(
 @block_sparse_attn_bwd.register_fake
 def _(q, k, v, out, lse, dout, dlse, block_idx, block_cnt, full_cnt, partial, col_idx, col_cnt, col_full, q_index,
       q_segment, k_index, k_segment, scale, block_size, window, deterministic, grads_in_input_dtype):
-    return tuple(_fresh_out(x, grads_in_input_dtype) for x in (q, k, v))
+    return tuple(block_sparse_fwd.result_buffer(x, grads_in_input_dtype) for x in (q, k, v))
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:

@@ -83,6 +83,8 @@ class Engine:
         return None
 
     def forward(self, call: AttentionCall, out=None, lse=None, out_in_input_dtype: bool = False):
+        """(out, lse) of `call` (`part`), merged with a running `out` and `lse` when given (`merge_attention`), its
+        out in q's dtype with `out_in_input_dtype`."""
         part = self.part(call)
         if out is not None:
             return merge_attention(out, lse, *part)
@@ -90,6 +92,9 @@ class Engine:
 
     def backward(self, call: AttentionCall, out, lse, dout, dlse=None, deterministic=None,
                  grads_in_input_dtype: bool = False):
+        """(dq, dk, dv) of `call` (`part_grads`) from the queries' final `out` and `lse`, in the inputs' dtypes with
+        `grads_in_input_dtype`; `deterministic` matters to an engine with a faster nondeterministic backward (the
+        kernels): this one ignores it."""
         grads = self.part_grads(call, out, lse, dout, dlse)
         return tuple(g.to(x.dtype) for g, x in zip(grads, call[:3])) if grads_in_input_dtype else grads
 

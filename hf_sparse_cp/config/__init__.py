@@ -6,7 +6,9 @@
 * `flat_keys.py`: the flat keys of files, flags and saved configs of every earlier version, put into the tree;
 * `files.py`: `FileConfig`, the YAML / JSON files behind every config (`--sparse_config`), the one merge rule
   (a flag given beats the file) and the field type checks;
-* `model_fields.py`: fields of a transformers model config that training and the predictions both read.
+* `model_fields.py`: fields of a transformers model config that training and the predictions both read;
+* `registries.py`: how a plug-in (an attention engine, a budget mode, a CP mode) joins its registry and how a setting
+  naming one is checked, and the engines' registry.
 """
 
 from .files import FileConfig, check_field_types, read_mapping

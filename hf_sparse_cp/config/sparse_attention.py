@@ -83,7 +83,7 @@ class SparseAttentionConfig(FileConfig):
 
     Keywords: one per field (`budget`, `scoring`: a section or its mapping; a partial scoring goes over
     the budget's own), or flat keys as files of every version hold them (`vertical_topk=1024`,
-    `budget_mode="topp"`, `last_q=64`; `sections.nested`).
+    `budget_mode="topp"`, `last_q=64`; `flat_keys.nested`).
     """
 
     FILE_SECTION: ClassVar[str] = "sparse_attention"
@@ -365,7 +365,7 @@ class SparseAttentionConfig(FileConfig):
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SparseAttentionConfig:
         """Build from a stored mapping (a saved model's config, a file): nested sections or the flat keys of
-        any earlier version, which load as they ran (`sections.nested` with `stored`)."""
+        any earlier version, which load as they ran (`flat_keys.nested` with `stored`)."""
         cls._check_mapping(data)
         return cls(**nested(data, stored=True))
 

@@ -9,7 +9,13 @@ calls through them (`upstream.py`).
   layers share;
 * `interfaces.py`: `patch`, `unpatch` (the backend registered with transformers); `registration.py`: `configure`;
 * `lean_loss.py`: `enable_lean_loss` / `disable_lean_loss` (causal-LM loss without full logits);
-* `models.py`: which models context parallelism supports;
+* `models.py`: which models context parallelism supports; `architectures.py`: the architectures the plugin knows,
+  one table by `model_type` (the lean loss's classes, the token tiles' modules, the families CP was tested exact on);
+* `compiled.py`: the `sparse_cp` call inside a graph torch.compile traces (two opaque custom ops, no graph break);
+* `memory_savers.py`: the memory savers (token tiles, host offload) applied to a model's modules, reversibly;
+  `fused_ops.py`: the decoder layers' work around attention fused (`--sparse_fused_ops`), reversibly;
+* `positions.py`: the position tables of decoders that count positions from their input's length (the BART family)
+  fed the CP shard's positions; `planner_weights.py`: the document planner's weight of a token's linear work;
 * `heads.py`: the head a model has, and the hook that gives a sequence-classification or question-answering head the
   batch's outputs under context parallelism;
 * `composite.py`: the backend selected for a composite model's language model, its towers keeping their attention;

@@ -14,9 +14,9 @@ Under context parallelism the inputs carry a `CPShard` (keyword `cp_shard`, adde
 sequence, and the layer runs as the CP group's mode shares it
 (`hf_sparse_cp.distributed.context_parallel_attention`).
 
-What a call reads besides its arguments lives beside it: the probe or CP shard of the forward in progress
-(`call_context.py`), the layer's pattern (`layer_settings.py`), the forward's position_ids (`forward_positions.py`),
-and what it refuses (`call_refusals.py`).
+What a call reads besides its arguments lives beside it: its masks and token tensors as `TokenMeta`
+(`call_tokens.py`), the probe or CP shard of the forward in progress (`call_context.py`), the layer's pattern
+(`layer_settings.py`), the forward's position_ids (`forward_positions.py`), and what it refuses (`call_refusals.py`).
 """
 
 from __future__ import annotations

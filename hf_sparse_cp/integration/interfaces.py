@@ -71,6 +71,7 @@ def unpatch() -> None:
 
 
 def is_patched() -> bool:
+    """Whether `patch()` registered the backend and `unpatch()` has not undone it since."""
     return _active is not None
 
 

@@ -173,4 +173,5 @@ def disable_lean_loss() -> None:
 
 
 def is_lean_loss_enabled() -> bool:
+    """Whether `enable_lean_loss()` replaced the causal-LM forwards and `disable_lean_loss()` has not restored them."""
     return _active is not None

@@ -1,23 +1,22 @@
 """A model card that describes sparse long-context training: `write_sparse_model_card`.
 
 The stock `Trainer.create_model_card` writes README.md from the training arguments alone, so a run with
-the plugin gets a card that misstates two things and omits the rest:
+the plugin gets a card that misstates three things and omits the rest:
 
 * `total_train_batch_size` is `per-device batch x world size x accumulation`: under context parallelism
   every rank of a CP group trains the same sequence, so it counts each sequence `cp_size` times;
-* the optimizer line names `--optim` (AdamW) when SMET stood in for it.
-
+* the optimizer line names `--optim` (AdamW) when SMET stood in for it;
 * the distributed type says "multi-GPU" for CPU processes joined with gloo.
 
 `write_sparse_model_card` calls the card writer of the Trainer class (the stock one, or TRL's), corrects
-those lines, adds the plugin's tags to the YAML front matter and appends a "Sparse long-context training"
-section that states only what the run did: base model and data when known, sequence length, the sparse
-pattern, the distributed set-up (CPU/gloo or GPU/NCCL processes, FSDP), context parallelism and SMET when
-used, batch size, optimizer, throughput, the losses per logging step (and every evaluation's metrics: the stock
-card's "Training results" gives way to it), the mean kept fraction per layer (with a plot saved beside the card),
-the versions of the packages that trained it, and
-how to load the model (a PEFT run saves only its adapter: the card then holds the pattern and loads the adapter
-onto its base model).
+those lines, makes its YAML front matter one the Hub accepts, with the plugin's tags (`card_metadata.py`), and
+appends a "Sparse long-context training" section that states only what the run did: base model and data when known,
+sequence length, the sparse pattern, the distributed set-up (CPU/gloo or GPU/NCCL processes, FSDP), context
+parallelism and SMET when used, batch size, optimizer, throughput, the losses per logging step (and every
+evaluation's metrics: the stock card's "Training results" gives way to it), the mean kept fraction per layer (with a
+plot saved beside the card), the versions of the packages that trained it, and how to load the model
+(`card_quick_start.py`; a PEFT run saves only its adapter: the card then holds the pattern and loads the adapter onto
+its base model).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..distributed.comm import rank_and_world
+from ..smet.dtensor import contiguous_stride
 from .boxes import Box, TargetLayout, dtensor_boxes, plan_transfers
 
 LAYOUT_FILE = "layout.json"
@@ -199,13 +200,6 @@ def load_sharded_state(
             out[t.box.within(mine)] = value
             counter.bytes += value.numel() * value.element_size()
             counter.slices += 1
-        loaded[name] = layout.wrap(out, saved.shape, _contiguous_stride(saved.shape))
+        loaded[name] = layout.wrap(out, saved.shape, contiguous_stride(saved.shape))
     return loaded
 
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= size
-    return tuple(reversed(stride))

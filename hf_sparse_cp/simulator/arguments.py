@@ -314,12 +314,13 @@ def model_name(args: argparse.Namespace) -> str:
     return path.name if path.is_dir() else (path.parent.name or path.stem)
 
 
-def model_shape(args: argparse.Namespace, presets: dict[str, ModelShape]) -> ModelShape:
-    """The shape `--model` or `--config` names (ValueError, naming the field, for a config it cannot read)."""
+def model_shape(args: argparse.Namespace, presets: dict[str, Any], kind: type = ModelShape) -> Any:
+    """The shape `--model` or `--config` names: one of `presets`, or the config read as a `kind` (`ModelShape` for
+    the step time, the memory model's `Architecture`; ValueError, naming the field, for a config it cannot read)."""
     if args.config is None:
         return presets[args.model]
     # (its refusals name the flag and file, not the model's name in the output: the config's folder)
-    return ModelShape.from_config(read_config(args.config), model_name(args), f"--config {args.config}")
+    return kind.from_config(read_config(args.config), model_name(args), f"--config {args.config}")
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser, default: str) -> None:

@@ -36,7 +36,7 @@ from .arguments import (
     cp_layout,
     fraction,
     model_name,
-    read_config,
+    model_shape,
     refuse_group_settings_without_cp,
     write_output,
 )
@@ -286,9 +286,7 @@ MEASURED_BAND = (0.98, 1.26)
 
 def architecture(args: argparse.Namespace) -> Architecture:
     """The model `--model` or `--config` names (ValueError, naming the field, for a config it cannot read)."""
-    if args.config is None:
-        return PRESETS[args.model]
-    return Architecture.from_config(read_config(args.config), model_name(args), f"--config {args.config}")
+    return model_shape(args, PRESETS, Architecture)
 
 
 def predict(args: argparse.Namespace, capacity: float, arch: Architecture | None = None) -> dict:

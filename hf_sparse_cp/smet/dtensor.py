@@ -44,18 +44,17 @@ def row_offset(param: torch.Tensor) -> int:
     return offset
 
 
-def like_param(param: torch.Tensor, state: torch.Tensor, global_rows: int | None = None) -> torch.Tensor:
+def like_param(param: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """`state` (the local rows of a per-row optimizer state) as a DTensor laid out like `param`.
 
-    The global shape is `[param.shape[0], *state.shape[1:]]` (or `global_rows` rows), so a checkpoint
+    The global shape is `[param.shape[0], *state.shape[1:]]`, so a checkpoint
     holds every row once and can be loaded under another sharding. Plain parameters give `state` back.
     """
     if not isinstance(param, DTensor):
         return state
-    rows = param.shape[0] if global_rows is None else global_rows
-    shape = torch.Size((rows, *state.shape[1:]))
+    shape = torch.Size((param.shape[0], *state.shape[1:]))
     return DTensor.from_local(
-        state, param.device_mesh, param.placements, run_check=False, shape=shape, stride=_contiguous_stride(shape)
+        state, param.device_mesh, param.placements, run_check=False, shape=shape, stride=contiguous_stride(shape)
     )
 
 
@@ -71,9 +70,7 @@ def local_rows_of(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value[start : start + local(param).shape[0]]
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
+def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`, as torch lays one out (a size-0 dimension counts as 1): what a
+    DTensor built from a local shard with a global `shape` declares."""
+    return torch.empty(shape, device="meta").stride()

@@ -230,6 +230,8 @@ class SMETAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One Adam update of the dense parameters and the sparse weights' kept blocks (and, on the topology
+        schedule's steps, the drop and regrowth of blocks); `closure` as for any `torch.optim.Optimizer`."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

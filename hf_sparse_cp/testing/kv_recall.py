@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 
-from .retrieval import AnswerRow, sentence_ends
+from .retrieval import AnswerRow, sentence_ends, text_ids
 
 # First names, the keys.
 NAMES = tuple("""Aaron Abigail Adam Adrian Agnes Alan Albert Alice Allen Amanda Amber Amos Amy Andrea Andrew Angela
@@ -50,14 +50,10 @@ QUESTION = " Q: {name}? A:"
 ANSWER = " {value}"
 
 
-def _ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def one_token(tokenizer, words: tuple[str, ...], needed: int) -> list[str]:
     """Those of `words` that `tokenizer` reads as one token after a space when there are `needed` of them, else
     all of them (a byte-level tokenizer reads none as one token)."""
-    one = [w for w in words if len(_ids(tokenizer, f" {w}")) == 1]
+    one = [w for w in words if len(text_ids(tokenizer, f" {w}")) == 1]
     return one if len(one) >= needed else list(words)
 
 
@@ -74,8 +70,9 @@ def recall_row(tokenizer, haystack: list[int], seq_len: int, rng: random.Random,
         raise ValueError(f"ask_within={ask_within} must be in (0, 1].")
     keys = {name: rng.choice(values) for name in rng.sample(names, records)}  # in the order they will stand
     asked = rng.sample(list(keys)[: max(questions, round(ask_within * records))], questions)
-    stated = {n: _ids(tokenizer, STATEMENT.format(name=n, value=v)) for n, v in keys.items()}
-    asks = [(_ids(tokenizer, QUESTION.format(name=n)), _ids(tokenizer, ANSWER.format(value=keys[n]))) for n in asked]
+    stated = {n: text_ids(tokenizer, STATEMENT.format(name=n, value=v)) for n, v in keys.items()}
+    asks = [(text_ids(tokenizer, QUESTION.format(name=n)), text_ids(tokenizer, ANSWER.format(value=keys[n])))
+            for n in asked]
     body = seq_len - len(prefix) - sum(map(len, stated.values())) - sum(len(q) + len(a) for q, a in asks)
     if body < 8 or len(haystack) < body:
         raise ValueError(f"a row of {seq_len} tokens cannot hold {records} records and {questions} questions in a "

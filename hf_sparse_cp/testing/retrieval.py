@@ -61,7 +61,8 @@ class AnswerRow:
         return len(self.input_ids)
 
 
-def _ids(tokenizer, text: str) -> list[int]:
+def text_ids(tokenizer, text: str) -> list[int]:
+    """The token ids of `text` alone (no special tokens), as a prompt's pieces are joined."""
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -90,15 +91,15 @@ def _keys(rng: random.Random, count: int) -> dict[str, str]:
 
 
 def _needle(tokenizer, name: str, key: str) -> list[int]:
-    return _ids(tokenizer, f" The pass key of {name} is {key}.")
+    return text_ids(tokenizer, f" The pass key of {name} is {key}.")
 
 
 def _question(tokenizer, name: str) -> list[int]:
-    return _ids(tokenizer, f" What is the pass key of {name}? The pass key of {name} is")
+    return text_ids(tokenizer, f" What is the pass key of {name}? The pass key of {name} is")
 
 
 def _answer(tokenizer, key: str) -> list[int]:
-    return _ids(tokenizer, f" {key}")
+    return text_ids(tokenizer, f" {key}")
 
 
 def training_row(tokenizer, haystack: list[int], seq_len: int, rng: random.Random, needles: int) -> list[int]:
@@ -109,7 +110,7 @@ def training_row(tokenizer, haystack: list[int], seq_len: int, rng: random.Rando
     keys = _keys(rng, needles)
     tail = []
     for name in rng.sample(list(keys), len(keys)):
-        tail += _question(tokenizer, name) + _ids(tokenizer, f" {keys[name]}.")
+        tail += _question(tokenizer, name) + text_ids(tokenizer, f" {keys[name]}.")
     inserted = [_needle(tokenizer, name, key) for name, key in keys.items()]
     body = seq_len - len(tail) - sum(map(len, inserted))
     if body < 8 or len(haystack) < body:

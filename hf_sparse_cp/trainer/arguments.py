@@ -196,9 +196,9 @@ def unprefixed(names: Collection[str], prefix: str) -> set[str]:
     return {name.removeprefix(prefix) for name in names if name.startswith(prefix)}
 
 
-def from_prefixed(args: Any, cls: type, prefix: str = "") -> Any:
-    """Dataclass `cls` built from the attributes `prefix + field` of `args` (the inverse of `copied_fields`)."""
-    return cls(**{f.name: getattr(args, prefix + f.name) for f in dataclasses.fields(cls)})
+def from_fields(args: Any, cls: type) -> Any:
+    """Dataclass `cls` built from the attributes of `args` named as its fields (the inverse of `copied_fields`)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 def copied_fields(

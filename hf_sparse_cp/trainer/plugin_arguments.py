@@ -33,7 +33,7 @@ from .arguments import (
     SparseCPArguments,
     copied_fields,
     flags_over_a_file,
-    from_prefixed,
+    from_fields,
     unprefixed,
 )
 from .schedule import CurriculumArguments, Stage, parse_schedule, stage_layouts
@@ -154,7 +154,7 @@ class PluginArgumentsMixin(KnownKeywords):
     def _validate_plugin_fields(self) -> None:
         with unread_fields_checked_by_caller():  # (values no setting reads: below, across the run, naming the flags)
             for part in _PARTS:  # each part validates its own fields, naming them (the pattern's over its file)
-                self.pattern_flags() if part is SparseAttentionFlags else from_prefixed(self, part)
+                self.pattern_flags() if part is SparseAttentionFlags else from_fields(self, part)
             pattern, layout = self.sparse_attention_config(), self.context_parallel_config()
         self.smet_optimizer_config()  # (its --smet_config file)
         if not self.smet:  # (the flags typed at their default value too: SMETArguments sees the values alone)
@@ -260,13 +260,13 @@ class PluginArgumentsMixin(KnownKeywords):
         return getattr(self, self._length_field)
 
     def plugin_arguments(self) -> SparseCPArguments:
-        return from_prefixed(self, SparseCPArguments)
+        return from_fields(self, SparseCPArguments)
 
     def pattern_flags(self) -> SparseAttentionFlags:
         """The pattern flags as given, before `--sparse_config` is read (with one, they are validated on top of it:
         `sparse_attention_config`)."""
         with flags_over_a_file() if self.sparse_config is not None else contextlib.nullcontext():
-            return from_prefixed(self, SparseAttentionFlags)
+            return from_fields(self, SparseAttentionFlags)
 
     def sparse_attention_config(self) -> SparseAttentionConfig:
         """The pattern: the `--sparse_config` file if given, with the pattern flags on top."""
@@ -275,7 +275,7 @@ class PluginArgumentsMixin(KnownKeywords):
 
     def context_parallel_config(self) -> ContextParallelConfig:
         with self._checked_across_stages():
-            return from_prefixed(self, ContextParallelConfig)
+            return from_fields(self, ContextParallelConfig)
 
     def _checked_across_stages(self) -> contextlib.AbstractContextManager:
         """Around building the run's base config: with a `--cp_schedule`, a stage may read what the base does not
@@ -303,7 +303,7 @@ class PluginArgumentsMixin(KnownKeywords):
             check_ring(self.context_parallel_config(), env)
 
     def smet_arguments(self) -> SMETArguments:
-        return from_prefixed(self, SMETArguments)
+        return from_fields(self, SMETArguments)
 
     def smet_optimizer_config(self) -> SMETConfig | None:
         """The SMET settings when `--smet` is on, else None."""

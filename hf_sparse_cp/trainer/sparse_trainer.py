@@ -427,6 +427,8 @@ class SparseTrainerMixin:
         attend_like_trained_model(self, self.args.plugin_arguments(), self.max_length)
 
     def train(self, *args, **kwargs):
+        """The Trainer's `train`, with a TRL reference model attending as the trained model does, and the plugin's
+        process-wide state torn down at exit once the run finished."""
         self._attend_like_trained_model()
         result = super().train(*args, **kwargs)
         _tear_down_at_exit()  # only after a finished run: every rank then reaches the exit barrier
@@ -439,10 +441,12 @@ class SparseTrainerMixin:
         super().end()
 
     def evaluate(self, *args, **kwargs):
+        """The Trainer's `evaluate`, with a TRL reference model attending as the trained model does."""
         self._attend_like_trained_model()
         return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
+        """The Trainer's `predict`, with a TRL reference model attending as the trained model does."""
         self._attend_like_trained_model()
         return super().predict(*args, **kwargs)
 

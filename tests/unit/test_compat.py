@@ -2,8 +2,12 @@
 with the parameters we rely on, a clear error naming the member when one changes, and accelerate's data
 loader settings passed on by their own names."""
 
+import ast
+import importlib
 import importlib.util
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from transformers import Trainer, TrainingArguments
 
+import hf_sparse_cp
 from hf_sparse_cp.integration import compat, trainer_losses, upstream
 
 
@@ -160,3 +165,69 @@ def test_an_optional_package_that_fails_to_import_here_is_not_in_use(monkeypatch
     if importlib.util.find_spec("liger_kernel") is not None:
         assert compat.problem(liger) is None
     assert "cannot be imported (0 active drivers" in compat.problem(ours)
+
+
+_PACKAGE = Path(hf_sparse_cp.__file__).parent
+# The plugin's modules and packages, at any depth: a dotted name in the table that starts with one is ours.
+_PARTS = {p.stem for p in _PACKAGE.rglob("*") if p.is_dir() or p.suffix == ".py"} - {"__init__", "__pycache__"}
+_FILE = re.compile(r"\.(json|ya?ml|md|txt|bin|pth?|safetensors)$")  # (a file's name, `config.json`, is no module)
+
+
+def _top_level_names() -> set[str]:
+    names = set()
+    for path in _PACKAGE.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+def _ours(dotted: str) -> bool:
+    """Whether `dotted` (relative to hf_sparse_cp) names a module of the plugin or something one defines."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            target = importlib.import_module(".".join(["hf_sparse_cp", *parts[:cut]]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(target, attr):
+                return False
+            target = getattr(target, attr)
+        return True
+    return False
+
+
+def test_every_name_of_the_plugins_code_in_the_table_says_its_module():
+    """A `why` or an `undo` names the plugin's code that relies on a member as `module.name` under hf_sparse_cp
+    (`integration.upstream.seed_workers_by`), which imports: after the split of compat.py the table named
+    `seed_workers_by`, `cp_exact_losses` or `card_tasks` bare, or beside a module that does not hold them
+    (`cp_whole_row_losses`, trainer/whole_rows.py). A bare name of ours, a file path, a dotted name that does not
+    import, or an undo's call that hf_sparse_cp does not export fails here, naming the entry."""
+    ours = _top_level_names()
+    problems = []
+    for patch in compat.PATCHES:
+        for text in (patch.why, patch.undo):
+            paths = re.findall(r"\S+\.py\b", text)
+            problems += [f"{patch.qualified}: {path} (write its module, `a.b`)" for path in paths]
+            for ref in re.findall(r"`([A-Za-z_][\w.]*)`", text):
+                if "." not in ref and ref in ours:
+                    problems.append(f"{patch.qualified}: `{ref}` without its module")
+                elif "." in ref and ref.split(".")[0] in _PARTS and not _FILE.search(ref) and not _ours(ref):
+                    problems.append(f"{patch.qualified}: `{ref}` does not import from hf_sparse_cp")
+        for call in re.findall(r"([A-Za-z_][\w.]*)\(", patch.undo):
+            if not hasattr(hf_sparse_cp, call) and not _ours(call):
+                problems.append(f"{patch.qualified}: undo {call}() is neither hf_sparse_cp's nor `module.name`")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_tested_releases_the_docs_state_are_the_tables():
+    """docs/how-it-works.md states the releases `PATCHES` was tested with: it said accelerate 1.10-1.15 while
+    `TESTED_VERSIONS` says 1.16."""
+    text = " ".join((Path(__file__).parents[2] / "docs" / "how-it-works.md").read_text().split())
+    for package, name in (("transformers", "transformers"), ("accelerate", "accelerate"), ("torch", "torch"),
+                          ("triton", "Triton")):
+        low, high = compat.TESTED_VERSIONS[package]
+        assert f"{name} {low}-{high}" in text, f"docs/how-it-works.md: {name} {low}-{high} (compat.TESTED_VERSIONS)"
