@@ -16,11 +16,15 @@ scores every token with a start and an end logit, and its loss is a softmax of t
 `CPShard.whole_sequence`, differentiable), so that every rank holds one process's start and end logits and loss.
 Either head's outputs and loss are then the batch's on every rank (`BATCH_OUTPUT_HEADS`: the Trainer takes the rank's
 share of the loss, trainer/cp_steps.py).
+
+A question-answering head's loss also reads the padding after a row's tokens, where sparse_cp differs from SDPA (with
+or without CP): `note_padded_answer_scores` says so once.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from transformers.modeling_layers import (
@@ -29,7 +33,12 @@ from transformers.modeling_layers import (
     GenericForTokenClassification,
 )
 
+from ..config import BACKEND_NAME
+from ..distributed.shard import CP_SHARD_KWARG
+from . import upstream
 from .call_context import cp_forward_shard
+
+logger = logging.getLogger(__name__)
 
 LANGUAGE_MODEL, TOKEN_CLASSIFICATION = "language model", "token classification"
 SEQUENCE_CLASSIFICATION, QUESTION_ANSWERING = "sequence classification", "question answering"
@@ -98,3 +107,41 @@ def pool_over_cp_group(model: torch.nn.Module) -> torch.utils.hooks.RemovableHan
     hook = (functools.partial(_pooled_at_every_position, base.config) if head == SEQUENCE_CLASSIFICATION
             else _whole_sequence)
     return getattr(base, _HEAD_LAYERS[head]).register_forward_hook(hook)
+
+
+# set on a decoder whose padded answer scores were noted (`note_padded_answer_scores`)
+_NOTED = "_hf_sparse_cp_padded_answers_noted"
+
+
+def ends_in_padding(attention_mask: torch.Tensor) -> bool:
+    """Whether a row of the 2D padding mask [B, S] has padding after its last token, and none pads between two tokens
+    (a call with such a gap attends every key, its padding queries as SDPA's: `call_tokens.every_key_call`)."""
+    real = attention_mask.bool()
+    if (real[:, 1:] & ~real[:, :-1]).sum(-1).add(real[:, 0]).gt(1).any():  # (a gap: `tokens.padding_between_tokens`)
+        return False
+    return bool((real.any(-1) & ~real[:, -1]).any())
+
+
+def note_padded_answer_scores(decoder: torch.nn.Module, args, kwargs) -> None:
+    """Forward pre-hook (with kwargs) on the decoder of a question-answering model (`registration.guard_registration`):
+    the first forward on sparse_cp whose batch (the whole batch under CP: the shard's mask) ends a row in padding logs
+    once per decoder that its start and end logits there differ from SDPA's. sparse_cp gives a padding query after a
+    row's tokens no attention (its output 0, as transformers' flash_attention_2 does), where SDPA and eager attend it
+    to the row's tokens; a language model's or classification head's loss reads no padding position (-100 labels, the
+    last real token pooled), but transformers' question-answering loss takes a softmax over every position of the row
+    (tiny Llama, fp64, every block kept, a row padded from 60 of 80 tokens: loss 4.3380 against SDPA's 4.3491). Left
+    padding gives SDPA's logits and loss: its padding sees no token under either."""
+    if decoder.__dict__.get(_NOTED) or upstream.attn_implementation(decoder.config) != BACKEND_NAME:
+        return
+    shard = kwargs.get(CP_SHARD_KWARG)  # (a CP shard, or a probe in its place: no mask)
+    mask = kwargs.get("attention_mask") if shard is None else getattr(shard, "attention_mask", None)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not ends_in_padding(mask):
+        return
+    decoder.__dict__[_NOTED] = True
+    logger.warning(
+        "A question-answering head on sparse_cp scores padding after a row's tokens otherwise than SDPA: sparse_cp "
+        "gives such a padding query no attention (output 0, as flash_attention_2 does), where SDPA and eager attend "
+        "it to the row's tokens, so the start and end logits at those positions differ from SDPA's, and so does the "
+        "loss of start_positions / end_positions (transformers' softmax over every position of the row; the real "
+        "tokens' logits are SDPA's). For SDPA's logits and loss, pad on the left (tokenizer.padding_side = 'left'; "
+        "run_qa.py then puts the context first), or train with the model's own attention (--sparse_attention false).")
