@@ -281,7 +281,7 @@ def test_a_question_answering_head_under_cp2_gives_sdpa_loss_left_padded_and_say
     """transformers' question-answering loss takes a softmax over every position of the row, padding included, whose
     queries sparse_cp gives no attention after a row's tokens (as flash_attention_2), where SDPA attends them to the
     row's tokens. Left-padded, CP 2 with every block kept logs SDPA's losses (fp64); right-padded they differ (5.2723
-    against 5.2910), which each rank now says once (`heads.note_padded_answer_scores`), naming left padding."""
+    against 5.2910), which each rank now says once (`heads.note_padding_read_by_head`), naming left padding."""
     from hf_sparse_cp.testing.spawn import run_gloo
 
     (want,) = run_gloo(_train_answers, 1, timeout_s=300)

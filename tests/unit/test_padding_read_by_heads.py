@@ -1,9 +1,10 @@
-"""A question-answering head's loss reads the padding after a row's tokens (#50). transformers' loss takes a softmax of
-the start and end logits over every position of the row, padding included; sparse_cp gives a padding query after a
-row's tokens no attention (output 0, as flash_attention_2 does), where SDPA attends it to the row's tokens. A right-
-padded batch's loss then differed from SDPA's (tiny Llama, fp64, every block kept: 4.3380 against 4.3491) without a
-word, while the docs said no loss reads those positions. Now the first such forward says so, naming left padding,
-which gives SDPA's logits and loss (tested below)."""
+"""Heads that read the padding after a row's tokens (#50), which sparse_cp gives no attention (output 0, as
+flash_attention_2 does) where SDPA attends it to the row's tokens. transformers' question-answering loss takes a
+softmax of the start and end logits over every position of the row, padding included: a right-padded batch's loss
+differed from SDPA's (tiny Llama, fp64, every block kept: 4.3380 against 4.3491) without a word, while the docs said no
+loss reads those positions; a sequence-classification head whose config's pad_token_id is not the token padding the
+batch pools a padding position (its logits 0.16 from SDPA's). Now the first such forward says so, naming the fix (left
+padding, which gives SDPA's logits and loss, tested below; the config's pad_token_id)."""
 
 import copy
 import logging
@@ -21,11 +22,12 @@ pytestmark = pytest.mark.usefixtures("patched")
 
 KEEP_ALL = SparseAttentionConfig(block_size=16, min_seq_len=0, sink_tokens=0, dense_first_layers=0,
                                  vertical_topk=10**4, slash_topk=10**4)  # (SDPA's attention, sparse path)
-NOTE = r"question-answering head on sparse_cp scores padding .* pad on the left \(tokenizer.padding_side = 'left'"
+NOTE = r"A head on sparse_cp reads padding otherwise than SDPA: a question-answering head .* pad on the left"
+SAID = "reads padding otherwise than SDPA"
 
 
-def _models(auto: str = "AutoModelForQuestionAnswering"):
-    config = tiny_config("llama", num_labels=3, classifier_dropout=0.0, pad_token_id=0)
+def _models(auto: str = "AutoModelForQuestionAnswering", pad_token_id: int = 0):
+    config = tiny_config("llama", num_labels=3, classifier_dropout=0.0, pad_token_id=pad_token_id)
     torch.manual_seed(0)
     reference = getattr(transformers, auto).from_config(config, attn_implementation="sdpa").double()
     model = copy.deepcopy(reference)
@@ -55,7 +57,7 @@ def test_a_right_padded_answer_batch_is_noted_once_as_scored_otherwise_than_sdpa
     with caplog.at_level(logging.WARNING, logger="hf_sparse_cp"):
         loss, _ = _loss_and_grads(model, _batch("right"))
         _loss_and_grads(model, _batch("right"))
-    notes = [r.getMessage() for r in caplog.records if "question-answering head" in r.getMessage()]
+    notes = [r.getMessage() for r in caplog.records if SAID in r.getMessage()]
     assert len(notes) == 1 and re.search(NOTE, notes[0])
     assert abs(loss - reference(**_batch("right")).loss.detach()) > 1e-3  # (what it notes)
 
@@ -67,7 +69,7 @@ def test_an_answer_batch_not_ending_rows_in_padding_trains_as_sdpa_without_a_not
     reference, model = _models()
     with caplog.at_level(logging.WARNING, logger="hf_sparse_cp"):
         (loss, grads), (want, want_grads) = (_loss_and_grads(m, _batch(side)) for m in (model, reference))
-    assert not [r for r in caplog.records if "question-answering head" in r.getMessage()]
+    assert not [r for r in caplog.records if SAID in r.getMessage()]
     torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
     for got, expected in zip(grads, want_grads):
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
@@ -75,8 +77,26 @@ def test_an_answer_batch_not_ending_rows_in_padding_trains_as_sdpa_without_a_not
 
 @pytest.mark.parametrize("auto", ["AutoModelForSequenceClassification", "AutoModelForTokenClassification"])
 def test_a_head_whose_loss_reads_no_padding_gets_no_note(caplog, auto):
-    _, model = _models(auto)
+    """A token-classification head (-100 on padding) and a sequence-classification head pooling the last real token
+    (its pad_token_id the batch's): the logits equal SDPA's, unnoted."""
+    reference, model = _models(auto)
     batch = {k: v for k, v in _batch("right").items() if not k.endswith("_positions")}
     with caplog.at_level(logging.WARNING, logger="hf_sparse_cp"):
-        model(**batch)
-    assert not [r for r in caplog.records if "question-answering head" in r.getMessage()]
+        got = model(**batch).logits
+    assert not [r for r in caplog.records if SAID in r.getMessage()]
+    real = batch["attention_mask"].bool() if got.dim() == 3 else slice(None)
+    torch.testing.assert_close(got[real], reference(**batch).logits[real], rtol=1e-12, atol=1e-12)
+
+
+def test_a_sequence_classification_head_pooling_padding_is_noted_naming_its_pad_token_id(caplog):
+    """Its config's pad_token_id (5) is not the token padding the batch (0): transformers pools the row's last
+    position, padding, whose logits sparse_cp computes otherwise than SDPA."""
+    reference, model = _models("AutoModelForSequenceClassification", pad_token_id=5)
+    batch = {k: v for k, v in _batch("right").items() if not k.endswith("_positions")}
+    batch["input_ids"] = batch["input_ids"].masked_fill(batch["input_ids"] == 5, 6)
+    with caplog.at_level(logging.WARNING, logger="hf_sparse_cp"):
+        got = model(**batch).logits
+    notes = [r.getMessage() for r in caplog.records if SAID in r.getMessage()]
+    assert len(notes) == 1 and re.search(r"pad_token_id \(5\), which in row 1 .* set model.config.pad_token_id",
+                                         notes[0])
+    assert (got[1] - reference(**batch).logits[1]).abs().max() > 1e-3  # (what it notes)
