@@ -228,3 +228,63 @@ def test_a_classification_head_under_dp2_x_cp2_trains_as_one_process_or_as_dp2(h
     for rank in run_gloo(_train_dp, 4, head, 2, timeout_s=900):
         assert rank["loss"] == pytest.approx(want["loss"], rel=1e-6)
         assert rel_rms(rank["update"], want["update"]) < 1e-9
+
+
+def _train_answers(rank: int, world: int) -> dict:
+    """A question-answering head's 2 SGD steps on `_rows` padded on the left and on the right: SDPA in one process,
+    sparse_cp with every block kept under CP `world`; by side, the losses logged and how many notes of padding scored
+    otherwise than SDPA."""
+    import logging
+
+    import transformers
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    import hf_sparse_cp
+    from hf_sparse_cp import SparseAttentionConfig, SparseCPArguments, attach_to_trainer, detach_from_trainer
+    from hf_sparse_cp.distributed import ContextParallelConfig
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    hf_sparse_cp.patch()
+    notes = []
+    handler = logging.Handler()
+    handler.emit = lambda record: notes.append(record.getMessage())
+    logging.getLogger("hf_sparse_cp.integration.heads").addHandler(handler)
+    results = {}
+    for side in ("left", "right"):
+        notes.clear()
+        torch.manual_seed(0)
+        model = transformers.AutoModelForQuestionAnswering.from_config(tiny_config("llama", pad_token_id=0),
+                                                                       attn_implementation="sdpa").double()
+        with tempfile.TemporaryDirectory() as tmp:
+            args = TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, save_strategy="no",
+                                     per_device_train_batch_size=2, max_steps=2, optim="sgd", learning_rate=0.5,
+                                     lr_scheduler_type="constant", logging_steps=1,
+                                     train_sampling_strategy="sequential")
+            trainer = Trainer(model=model, args=args, train_dataset=_rows(ANSWERS, side)[:4],
+                              data_collator=default_data_collator)
+            if world > 1:
+                hf_sparse_cp.configure(model, SparseAttentionConfig(block_size=16, min_seq_len=0, sink_tokens=0,
+                                                                    dense_first_layers=0, vertical_topk=10**4,
+                                                                    slash_topk=10**4))
+                attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True),
+                                  ContextParallelConfig(cp_size=world))
+            trainer.train()
+            if world > 1:
+                detach_from_trainer(trainer)
+        results[side] = ([log["loss"] for log in trainer.state.log_history if "loss" in log],
+                         sum("question-answering head" in note for note in notes))
+    return results
+
+
+def test_a_question_answering_head_under_cp2_gives_sdpa_loss_left_padded_and_says_why_not_right_padded():
+    """transformers' question-answering loss takes a softmax over every position of the row, padding included, whose
+    queries sparse_cp gives no attention after a row's tokens (as flash_attention_2), where SDPA attends them to the
+    row's tokens. Left-padded, CP 2 with every block kept logs SDPA's losses (fp64); right-padded they differ (5.2723
+    against 5.2910), which each rank now says once (`heads.note_padding_read_by_head`), naming left padding."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    (want,) = run_gloo(_train_answers, 1, timeout_s=300)
+    for rank in run_gloo(_train_answers, 2, timeout_s=300):
+        assert rank["left"][0] == pytest.approx(want["left"][0], rel=1e-9) and rank["left"][1] == 0
+        assert rank["right"][0] != pytest.approx(want["right"][0], rel=1e-3) and rank["right"][1] == 1
