@@ -602,14 +602,19 @@ class _Step:
         self.tape = _Tape(self.t)
         self.a = DTYPE_BYTES[s.dtype]
         self.w = s.weight_bytes
-        self.autocast = s.autocast  # (autocast's lower-precision copies of the fp32 weights)
+        self.autocast = s.autocast
+        # FSDP2 under mixed precision: accelerate's policy (param_dtype, reduce_dtype: the compute dtype) gathers each
+        # layer's weights in it and leaves their unsharded gradients in it, so autocast has no weight to cast;
+        # otherwise autocast keeps its lower-precision copies of the fp32 weights that train
+        self.fsdp_mixed = self.autocast and s.fsdp > 1
+        self.weight_casts = self.autocast and not self.fsdp_mixed
         self.h, self.i = sh.hidden, sh.intermediate
         self.q, self.kv = sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim
         # The residual stream's bytes (the embedding's output, the residual sums, the norms' outputs, their
         # gradients): under autocast without FSDP2 (whose mixed precision gathers 16-bit weights) the fp32 embedding
         # makes it fp32, and an RMSNorm returns its input's dtype; the matrix products cast their input to `dtype`,
         # each its own copy (autocast caches the weights' casts only)
-        self.r = 4 if self.autocast and s.fsdp == 1 else self.a
+        self.r = 4 if self.weight_casts else self.a
         # RMSNorm computes in fp32: a copy of its input unless that is fp32 already
         self.norm32 = 4 * self.h if self.r < 4 else 0
         self.offload = s.savers.offload_layer_inputs and s.gradient_checkpointing and s.device == "cuda"
@@ -1012,13 +1017,14 @@ class _Step:
         tape.alloc("weights", const=(arch.params * w + n_layers * adapters * 4) / s.fsdp)
         tape.alloc("optimizer state", const=_optimizer_state(arch, s))
         if s.fsdp > 1:  # FSDP2: the current layer's gathered weights and the next one's (prefetch)
-            tape.alloc("FSDP gathered layers", const=2 * (arch.layer_params * w + adapters * 4))
+            gathered = (arch.layer_params + adapters) * a if self.fsdp_mixed else arch.layer_params * w + adapters * 4
+            tape.alloc("FSDP gathered layers", const=2 * gathered)
         tape.alloc("inputs and token metadata", per_token=8 * 4 + 12)  # ids, labels, positions, shifted labels
         tape.alloc("rotary cos/sin", per_token=2 * arch.shape.head_dim * r)  # (in the hidden states' dtype)
         checkpointing = s.gradient_checkpointing
         # (autocast caches the copies of the weights that train: a frozen weight is cast at each use, its copy freed)
         casts = tape.alloc("autocast weight copies", const=n_layers * (adapters if lora else arch.layer_params) * a) \
-            if self.autocast and checkpointing else None
+            if self.weight_casts and checkpointing else None
         # without checkpointing: each layer's autocast copies (which its saved tensors hold) and saved tensors, kept
         # to its backward; its input (`floor`) freed by its forward or saved with its first norm's tensors
         layer_casts: list[int | None] = []
@@ -1030,7 +1036,7 @@ class _Step:
                 floor.append(self.layer_forward())
                 continue
             layer_casts.append(tape.alloc("autocast weight copies", const=(arch.layer_params + adapters) * a)
-                               if self.autocast else None)
+                               if self.weight_casts else None)
             saved, out = self.layer_with_grad(floor[-1])
             floor[-1] = None
             layer_saved.append(saved)
@@ -1062,14 +1068,15 @@ class _Step:
             if checkpointing:
                 copied = tape.alloc("saved layer inputs", per_token=r * h) if self.offload else None
                 cast = tape.alloc("autocast weight copies", const=(arch.layer_params + adapters) * a) \
-                    if self.autocast else None  # (which the frozen matrices' products save for the input's gradient)
+                    if self.weight_casts else None  # (the frozen matrices' products save them)
                 saved = self.layer_recompute()
             else:
                 copied, cast, saved = None, layer_casts[layer], layer_saved[layer]
             trained = adapters * 4 if lora else arch.layer_params * w  # (the layer's gradients' bytes)
             tape.alloc("gradients", const=trained / s.fsdp)
             # FSDP2: the layer's unsharded gradient, freed once reduce-scattered into the shard as its backward ends
-            unsharded = tape.alloc("gradients", const=trained) if s.fsdp > 1 else None
+            unsharded = tape.alloc("gradients", const=(adapters if lora else arch.layer_params) * a if self.fsdp_mixed
+                                   else trained) if s.fsdp > 1 else None
             grad = self.layer_backward(saved, grad)
             tape.free(copied, cast, floor[layer], unsharded)
         # the gradients of the parameters outside the layers and the embedding (position embeddings, the final norm,
