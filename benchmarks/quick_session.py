@@ -176,8 +176,10 @@ def stages(args: QuickArguments, out: Path, scratch: Path | None = None) -> list
     tiles = [py, "benchmarks/tune_tiles.py", "--shortlist", "--kernels", "columns", "dq", "forward", "dkdv"]
     e2e_seq = E2E_SEQ[args.call]
     if args.dry_run:
+        # (the MLP product timed beside ours at a tiny width: Qwen2.5-3B's 11008 at head_dim 256 cost 2 s of a CPU's
+        # float16 products per call)
         tiny_shape = ["--dry_run", "--block_size", "32", "--num_q_heads", "2", "--num_kv_heads", "1", "--num_verticals",
-                      "4", "--dtype", "float16", "--warmup", "0", "--repeats", "1"]
+                      "4", "--dtype", "float16", "--warmup", "0", "--repeats", "1", "--linear_intermediate", "256"]
         tiny = [*tiny_shape, "--seq_lens", "128"]
         attention += [*tiny, "--head_dim", "16", "--estimated_budgets", "8:2"]
         estimation += [*tiny_shape, "--seq_lens", "128", "256", "--head_dim", "16", "--estimated_budgets", "8:2"]

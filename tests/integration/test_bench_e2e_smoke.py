@@ -22,12 +22,15 @@ def bench():
 
 
 def test_tiny_run_writes_a_complete_report(tmp_path, bench):
+    """Two lengths, 512 and 1,024 tokens (the sweep doubling S, one profiled step at the first), with a smaller
+    budget than --tiny's own: the preset's pattern keeps every block at 1K and its sparse steps at 2K (a bf16 step on
+    a CPU without bf16 products) took most of this test's 74 s; a given flag overrides the preset's field alone."""
     out = tmp_path / "e2e.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--max_seq", "2048", "--timed_steps", "1", "--device", "cpu",
-         "--profile_seq_lens", "1024", "--variants", "sdpa", "sdpa+liger", "sparse_cp", "sparse_cp+liger",
-         "--output", str(out)],
+        [sys.executable, str(SCRIPT), "--tiny", "--min_seq", "512", "--max_seq", "1024", "--timed_steps", "1",
+         "--device", "cpu", "--profile_seq_lens", "512", "--variants", "sdpa", "sdpa+liger", "sparse_cp",
+         "sparse_cp+liger", "--sparse_vertical_topk", "16", "--sparse_slash_topk", "16", "--output", str(out)],
         capture_output=True, text=True, timeout=300, env=env, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -39,10 +42,16 @@ def test_tiny_run_writes_a_complete_report(tmp_path, bench):
         assert report[key], key
     assert report["device_type"] == "cpu"
     rows = {(r["variant"], r["seq_len"]): r for r in report["results"]}
-    assert set(rows) == {("sdpa", 1024), ("sdpa", 2048), ("sdpa+liger", 1024), ("sparse_cp", 1024), ("sparse_cp", 2048),
-                         ("sparse_cp+liger", 1024)}
+    assert set(rows) == {("sdpa", 512), ("sdpa", 1024), ("sdpa+liger", 512), ("sparse_cp", 512), ("sparse_cp", 1024),
+                         ("sparse_cp+liger", 512)}
     for variant in ("sdpa+liger", "sparse_cp+liger"):
-        assert rows[variant, 1024]["status"] == "skipped" and "CUDA" in rows[variant, 1024]["reason"]
+        assert rows[variant, 512]["status"] == "skipped" and "CUDA" in rows[variant, 512]["reason"]
+    # the given budget over --tiny's pattern, its other fields the preset's (TINY_SPARSE)
+    pattern = report["sparse_attention"]
+    assert pattern["budget"] == {"mode": "topk", "vertical_topk": 16, "slash_topk": 16}
+    assert {key: pattern[key] for key in ("block_size", "min_seq_len", "sink_tokens", "local_window")} == {
+        key: bench.TINY_SPARSE[key] for key in ("block_size", "min_seq_len", "sink_tokens", "local_window")}
+    assert pattern["scoring"]["last_q"] == bench.TINY_SPARSE["last_q"]
 
     vocab = report["settings"]["model_shapes"]["tiny"]["vocab_size"]
     for (variant, seq_len), r in rows.items():
@@ -53,7 +62,7 @@ def test_tiny_run_writes_a_complete_report(tmp_path, bench):
         assert math.isclose(r["tokens_per_s"], seq_len / r["step_s"])
         assert len(r["losses"]) == 2  # one warm-up and one timed step
         assert abs(r["losses"][0] - math.log(vocab)) < 0.5  # a real loss over a random-init model
-    for seq_len in (1024, 2048):
+    for seq_len in (512, 1024):
         sparse = rows["sparse_cp", seq_len]
         assert 0 < sparse["kept_fraction"] <= 1 and sparse["loss_backend"] == "torch"
         # the plugin's default fused ops: liger-kernel on CUDA only; the memory model's peak beside the measured one
@@ -65,10 +74,10 @@ def test_tiny_run_writes_a_complete_report(tmp_path, bench):
         assert why.startswith("auto; triton declined: cpu tensors")
         # Same init and tokens: before any update the two variants see the same model.
         assert abs(sparse["losses"][0] - rows["sdpa", seq_len]["losses"][0]) < 0.05
-    assert rows["sparse_cp", 2048]["kept_fraction"] < 1  # the tiny pattern is really sparse
-    for (variant, seq_len), r in rows.items():  # one extra step profiled at S=1024 only (the shorter: cheaper)
-        assert ("kernels" in r) == (seq_len == 1024 and r["status"] == "ok"), (variant, seq_len)
-    profile = rows["sparse_cp", 1024]["kernels"]
+    assert rows["sparse_cp", 1024]["kept_fraction"] < 1  # the pattern is really sparse
+    for (variant, seq_len), r in rows.items():  # one extra step profiled at S=512 only (the shorter: cheaper)
+        assert ("kernels" in r) == (seq_len == 512 and r["status"] == "ok"), (variant, seq_len)
+    profile = rows["sparse_cp", 512]["kernels"]
     assert len(profile) == 13 and profile[0]["ms"] >= profile[1]["ms"] > 0  # 12 kernels and the rest
     assert "one training step by kernel" in proc.stdout
 

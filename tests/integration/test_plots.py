@@ -5,6 +5,7 @@ import json
 import shutil
 import sys
 
+import huggingface_hub.constants
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
@@ -204,7 +205,11 @@ def test_plot_names_both_causes_for_a_missing_folder_of_a_hub_ids_shape(tmp_path
     """`--model out/run1` with no such folder passed the Hub id check and failed in transformers' loading, offline
     with "We couldn't connect to 'https://huggingface.co'", naming neither the flag nor the folder."""
     pytest.importorskip("matplotlib")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # (the Hub cannot provide it, whether or not this machine is online)
+    # (the Hub cannot provide it, whether or not this machine is online). huggingface_hub reads the variable once,
+    # at its import: setting it alone left the lookup online, where a machine without a network waited 46 s for
+    # its retries of each file.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as stopped:
         main(["plot", str(tmp_path), "--only", "layouts", "--model", "out/run1"])
