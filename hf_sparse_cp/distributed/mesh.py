@@ -194,7 +194,7 @@ class ParallelDims:
         self.rank = rank
         self.cp_ranks = cp_ranks
         self.cp_size = len(cp_ranks)
-        self.dp_size = world_size // self.cp_size
+        self.dp_size = self.dp_size_for(world_size, self.cp_size)
         self.cp_rank = cp_ranks.index(rank)
         self.dp_rank = rank // self.cp_size
         self.cp_group = cp_group
@@ -220,6 +220,15 @@ class ParallelDims:
             f"(cp_rank={self.cp_rank}, dp_rank={self.dp_rank}), mode={self.mode.name}{heads}{ring}, "
             f"ring={t.num_nodes} node(s) x {t.node_size}, sharding={self.sharding})"
         )
+
+    @staticmethod
+    def dp_size_for(world_size: int, cp_size: int) -> int:
+        """The data-parallel degree of CP groups of `cp_size` ranks over `world_size` processes: `dp_size` of the
+        layout they make, for where it is needed before that layout is built (a curriculum's stages, the start-up
+        checks). Raises `check_sizes`' ValueError, naming the fix, where `cp_size` does not divide `world_size` (a
+        floor division counted the ranks left over as none, or a DP degree of 0)."""
+        check_sizes(world_size, cp_size)
+        return world_size // cp_size
 
     @property
     def hierarchical(self) -> bool:
@@ -348,7 +357,7 @@ class ParallelDims:
                 ring = cls(cp_ranks=tuple(next(r for r in rings if rank in r)), cp_group=ring_group,
                            topology=topology, inner_group=inner, outer_group=outer, sharding=config.cp_sharding,
                            cp_groups=tuple(sorted(map(tuple, rings))), **common)
-                ring.dp_size, ring.dp_rank = world // w, rank // w
+                ring.dp_size, ring.dp_rank = cls.dp_size_for(world, w), rank // w
                 sharding = config.cp_sharding
         created += [inner, outer]
         layout = cls(cp_ranks=tuple(mine), cp_group=cp_group, topology=topology, inner_group=inner,

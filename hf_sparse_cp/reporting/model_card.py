@@ -190,10 +190,24 @@ def _describe_setup(trainer: Trainer, cp_size: int) -> str:
     return text
 
 
+def _dp_size(trainer: Trainer, parallel: ParallelDims | None, cp_size: int) -> int:
+    """The data-parallel degree of the run: `parallel`'s; not given, that of accelerate's ParallelismConfig, whose
+    mesh (dp_replicate x dp_shard x cp x tp) set `cp_size` (the processes over `cp_size` counted its tensor-parallel
+    ranks as data-parallel ones); without one, that of CP groups of `cp_size` over the Trainer's processes."""
+    if parallel is not None:
+        return parallel.dp_size
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    if pc is not None:
+        return pc.data_parallel_size
+    return ParallelDims.dp_size_for(trainer.args.world_size, cp_size)
+
+
 def _describe_parallelism(trainer: Trainer, parallel: ParallelDims | None, cp_size: int) -> str:
     if parallel is None:
         world = trainer.args.world_size
-        return f"CP {cp_size} x DP {world // cp_size} ({world} processes); sharding and ring not recorded"
+        tp = getattr(getattr(trainer.accelerator, "parallelism_config", None), "tp_size", 1)
+        return (f"CP {cp_size} x DP {_dp_size(trainer, None, cp_size)}{f' x TP {tp}' if tp > 1 else ''} ({world} "
+                "processes); sharding and ring not recorded")
     return parallel.describe()
 
 
@@ -512,7 +526,7 @@ def write_sparse_model_card(
         if _packs_documents(trainer):
             note = f" (examples, {_packed_into(trainer, total)}; each is split over {cp_size} context-parallel ranks)"
         card = _TOTAL_BATCH.sub(lambda _: f"- total_train_batch_size: {total}{note}", card)
-        total_eval = trainer.args.eval_batch_size * trainer.args.world_size // cp_size
+        total_eval = trainer.args.eval_batch_size * _dp_size(trainer, parallel, cp_size)
         card = _TOTAL_EVAL_BATCH.sub(lambda _: f"- total_eval_batch_size: {total_eval}", card)
     smet = smet_config_of(trainer)
     optim = getattr(trainer.args.optim, "value", trainer.args.optim)

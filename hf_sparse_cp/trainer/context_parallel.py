@@ -97,7 +97,7 @@ def enable_trainer_context_parallel(
     with flag_errors((ValueError,)):  # (what CP cannot compute exactly, naming the fix: a launched script ends
         # with the message; a TypeError of the probe forward through the model is a bug and keeps its traceback)
         check_model_supports_context_parallel(model, parallel=parallel)
-        check_loss(trainer, parallel.cp_size)
+        check_loss(trainer, parallel.cp_size, parallel)
         check_training_arguments(trainer.args, parallel.cp_size)
     warn_inexact(trainer)
     compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")

@@ -16,6 +16,7 @@ from accelerate.utils import str_to_bool
 from transformers import Trainer
 
 from ..config import language_config
+from ..distributed import ParallelDims
 from ..integration import trainer_losses
 from ..integration.architectures import (
     ROUTER_LOSS_PARAMETERS,
@@ -52,7 +53,7 @@ def check_training_arguments(args, cp_size: int, env: Mapping[str, str] | None =
             f"group_by_length (batches of similar lengths, exact under CP), {fix}.")
 
 
-def check_loss(trainer: Trainer, cp_size: int) -> None:
+def check_loss(trainer: Trainer, cp_size: int, parallel: ParallelDims | None = None) -> None:
     """Raise ValueError, naming the fix, when the Trainer computes a loss of its own (TRL's distillation trainers;
     a script's `compute_loss` or `compute_loss_func`): under CP each rank's forward
     covers only its shard of every sequence, so a loss built from the outputs (per-sequence log-prob sums, a last
@@ -60,7 +61,8 @@ def check_loss(trainer: Trainer, cp_size: int) -> None:
     crashed mid-step or trained on wrong values. TRL's DPOTrainer, KTOTrainer, RewardTrainer, GRPOTrainer and
     RLOOTrainer, whose forwards' outputs are gathered into whole rows (`whole_rows.py`; GRPO's and RLOO's generated
     rows: `generated_rows.py`), pass, unless a setting of it cannot (`check_whole_row_trainer`,
-    `check_generating_trainer`)."""
+    `check_generating_trainer`, at the data-parallel degree of `parallel`, the layout the run trains in; None: CP
+    groups of `cp_size` over the accelerator's processes, `ParallelDims.dp_size_for`)."""
     method = type(trainer).compute_loss
     # (the Trainer's own loss hands the logits and the rank's labels to it instead of the model's loss; label
     # smoothing's, the other such loss, is made the CP group's by `smooth_labels_over_cp_group`, for the Trainer's
@@ -94,7 +96,9 @@ def check_loss(trainer: Trainer, cp_size: int) -> None:
                     scores_rows=method in trainer_losses.cp_row_score_losses())
         check_whole_row_trainer(trainer, cp_size)
         if method in trainer_losses.cp_generated_row_losses():
-            check_generating_trainer(trainer, cp_size, trainer.accelerator.num_processes // cp_size)
+            dp_size = (parallel.dp_size if parallel is not None
+                       else ParallelDims.dp_size_for(trainer.accelerator.num_processes, cp_size))
+            check_generating_trainer(trainer, cp_size, dp_size)
         return
     else:
         raise ValueError(own_loss_refusal(type(trainer), cp_size))

@@ -185,7 +185,8 @@ def schedule_for(trainer: Trainer, stages: Sequence[Stage]) -> Schedule:
     """`build_schedule` for a built Trainer: its world size, batch sizes, dataset and the model's pattern."""
     args, dataset = trainer.args, trainer.train_dataset
     world = trainer.accelerator.num_processes
-    per_step = [args.train_batch_size * args.gradient_accumulation_steps * (world // s.cp_size) for s in stages]
+    per_step = [args.train_batch_size * args.gradient_accumulation_steps * ParallelDims.dp_size_for(world, s.cp_size)
+                for s in stages]
     return build_schedule(stages, world_size=world, sparse_config=model_config_for(trainer.model),
                           max_steps=args.max_steps, samples_per_step=per_step,
                           num_samples=len(dataset) if hasattr(dataset, "__len__") else None,
@@ -302,16 +303,17 @@ def _refuse_split_batches(trainer: Trainer, schedule: Schedule) -> None:
     if not upstream.dp_data_loader_options(trainer.accelerator).get("split_batches"):
         return
     world = trainer.accelerator.num_processes
-    split = [(i, stage) for i, stage in enumerate(schedule.stages) if stage.cp_size < world]
+    split = [(i, stage, dp) for i, stage in enumerate(schedule.stages)
+             if (dp := ParallelDims.dp_size_for(world, stage.cp_size)) > 1]
     if not split:
         return
-    (i, stage), batch = split[0], trainer.args.per_device_train_batch_size
+    (i, stage, dp), batch = split[0], trainer.args.per_device_train_batch_size
     fix = (f"For the {batch} samples a batch that split_batches shares out, give --per_device_train_batch_size "
            f"{batch // world} without split_batches" if batch % world == 0 else
            f"Drop split_batches and give the samples a step takes per process ({batch} do not split over {world})")
     raise ValueError(
         f"split_batches=True (--accelerator_config) with a cp_schedule whose stage {i} ({stage.text}) has "
-        f"{world // stage.cp_size} data-parallel ranks: a curriculum's step takes per_device_train_batch_size x "
+        f"{dp} data-parallel ranks: a curriculum's step takes per_device_train_batch_size x "
         f"gradient_accumulation_steps samples on every DP rank of its stage, not that many split over them. {fix} "
         "(at CP 1: a stage at CP degree c takes 1/c of them).")
 

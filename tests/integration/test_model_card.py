@@ -142,6 +142,26 @@ def test_a_streaming_datasets_generator_is_named_no_dataset(smet_run, monkeypatc
     assert "This model was trained from scratch on an unknown dataset." in card
 
 
+def test_a_card_of_accelerates_cp_over_a_tensor_parallel_mesh_counts_its_data_parallel_ranks(smet_run, tmp_path,
+                                                                                                 monkeypatch):
+    """Without the plugin's layout (`parallel` not given), the card reads the CP degree and the data-parallel one from
+    accelerate's ParallelismConfig: on 8 processes of dp_shard 2 x cp 2 x tp 2 the DP degree is 2 (#50: the card
+    divided the processes by the CP degree alone, 'DP 4', and stated an evaluation batch of 4 ranks', beside the
+    Trainer's training batch of 2 ranks')."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    trainer, _, _ = smet_run
+    mesh = ParallelismConfig(dp_shard_size=2, cp_size=2, tp_size=2)
+    monkeypatch.setattr(type(trainer.accelerator), "parallelism_config", property(lambda self: mesh))
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 8))
+    monkeypatch.setattr(trainer.args, "output_dir", str(tmp_path))
+    card = write_sparse_model_card(trainer, max_length=SEQ_LEN).read_text()
+    assert "| context parallelism | CP 2 x DP 2 x TP 2 (8 processes); sharding and ring not recorded |" in card, card
+    # (2 per device x 2 accumulated x DP 2, each sequence once; the evaluation batch: 8 per device x DP 2)
+    assert "- total_train_batch_size: 8 (distinct sequences; each is split over 2 context-parallel ranks)" in card
+    assert f"- total_eval_batch_size: {trainer.args.eval_batch_size * 2}\n" in card, card
+
+
 def test_writing_the_card_again_amends_the_fresh_stock_card_once(smet_run):
     trainer, parallel, path = smet_run
     write_sparse_model_card(trainer, parallel=parallel, max_length=SEQ_LEN, tags=["passkey"])

@@ -202,6 +202,21 @@ def test_under_fsdp2_a_failure_of_one_rank_generating_the_rows_ends_every_rank_o
                             "generation batch (ConnectionError: the reward server is down)"), first
 
 
+def test_the_loss_check_of_a_generating_trainer_counts_the_data_parallel_ranks_of_a_layout_that_divides(tmp_path,
+                                                                                                      tiny):
+    """`check_loss` checks a GRPO trainer's generation batch at the data-parallel degree of its layout: on one process
+    at CP 2 there is none, and the check says so, naming the fix (#50: it divided the processes by the CP degree,
+    a DP degree of 0, whose generation batch of 0 prompts every --num_generations divides: passed silently)."""
+    from hf_sparse_cp.trainer.cp_checks import check_loss
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path), **GRPO, use_cpu=True)
+    built = trl.GRPOTrainer(model=tiny, args=args, reward_funcs=distinct, processing_class=byte_tokenizer(),
+                            train_dataset=datasets.Dataset.from_dict(_prompts(2)))
+    args.per_device_train_batch_size = 1  # (refused at any DP degree above 0: 1 prompt, groups of 2)
+    with pytest.raises(ValueError, match=r"cp_size=2 does not divide the world size 1"):
+        check_loss(built, 2)
+
+
 @pytest.mark.parametrize(("setting", "refusal"), [
     ({"use_vllm": True}, r"with --use_vllm under context parallelism \(CP 2\) is not supported.*Fix: drop --use_vllm"),
     ({"use_transformers_continuous_batching": True},

@@ -277,6 +277,17 @@ def test_sizes_that_do_not_divide_say_how_to_fix_them():
         check_sizes(4, 3)
 
 
+def test_the_data_parallel_degree_of_a_layout_not_yet_built_is_the_layouts_or_the_sizes_refusal():
+    """`ParallelDims.dp_size_for`, which the curriculum's stages and the start-up checks read before a layout is
+    built: the DP degree a built layout has, or `check_sizes`' refusal where CP does not divide the processes (a
+    floor division counted a rank left over as none, or a DP degree of 0)."""
+    assert ParallelDims.dp_size_for(8, 2) == 4 and ParallelDims.dp_size_for(1, 1) == ParallelDims.single().dp_size
+    with pytest.raises(ValueError, match=r"cp_size=2 does not divide the world size 1"):
+        ParallelDims.dp_size_for(1, 2)
+    with pytest.raises(ValueError, match=r"cp_size=4 does not divide the world size 6"):
+        ParallelDims.dp_size_for(6, 4)
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="cp_sharding"):
         ContextParallelConfig(cp_sharding="random")
