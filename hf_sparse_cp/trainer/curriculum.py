@@ -230,13 +230,14 @@ def enable_curriculum(
                              "run; a cp_schedule builds its own groups: drop parallelism_config_cp_size from the "
                              "accelerate config.")
         if any(s.cp_size > 1 for s in schedule.stages):
-            check_model_supports_context_parallel(model)
-            check_loss(trainer, max(s.cp_size for s in schedule.stages))
+            # (first: a refusal of the trainer itself, not of a setting whose fix would only meet it next)
             if type(trainer).compute_loss in trainer_losses.cp_whole_row_losses():
                 raise ValueError(f"a cp_schedule with {type(trainer).__name__}: a stage crops each sample's "
                                  "input_ids to its length, and a preference sample's prompt and completions are kept "
                                  "whole. Train it under CP with --cp_size (a single CP degree) instead of "
                                  "--cp_schedule.")
+            check_model_supports_context_parallel(model)
+            check_loss(trainer, max(s.cp_size for s in schedule.stages))
             check_training_arguments(trainer.args, max(s.cp_size for s in schedule.stages))
             warn_inexact(trainer)
         _refuse_split_batches(trainer, schedule)

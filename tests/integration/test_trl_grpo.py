@@ -243,3 +243,22 @@ def test_a_setting_cp_does_not_run_as_data_parallel_is_refused_naming_the_fix(tm
         setattr(args, name, value)
     with pytest.raises(ValueError, match=refusal):
         check_generating_trainer(built, 2, 1)
+
+
+def test_a_cp_schedule_with_a_generating_trainer_is_refused_before_its_settings_are_checked(tmp_path, tiny):
+    """A cp_schedule cannot run a GRPO trainer (its rows are kept whole): that refusal comes first, not after a
+    refusal of its settings (its data-parallel degree, its generation batch) whose fix would only meet it next (#50:
+    check_loss ran first)."""
+    import hf_sparse_cp
+    from hf_sparse_cp import SparseAttentionConfig
+    from hf_sparse_cp.trainer.schedule import parse_schedule
+    from hf_sparse_cp.trainer.stage_plan import build_schedule
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path), **GRPO, use_cpu=True)
+    built = trl.GRPOTrainer(model=tiny, args=args, reward_funcs=distinct, processing_class=byte_tokenizer(),
+                            train_dataset=datasets.Dataset.from_dict(_prompts(2)))
+    # (a schedule for 2 processes on this one: check_loss would refuse its CP 2 stage's data-parallel degree)
+    schedule = build_schedule(parse_schedule("0:256:1,1:256:2"), world_size=2, max_steps=args.max_steps,
+                              sparse_config=SparseAttentionConfig(block_size=64, min_seq_len=128))
+    with pytest.raises(ValueError, match=r"a cp_schedule with GRPOTrainer: .*instead of --cp_schedule"):
+        hf_sparse_cp.enable_curriculum(built, schedule)
