@@ -184,28 +184,61 @@ def _top_level_names() -> set[str]:
     return names
 
 
+def _binds(node: ast.stmt, name: str) -> bool:
+    """Whether a module's or class's statement `node` defines or imports `name`."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name == name
+    if isinstance(node, ast.Assign):
+        return any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+    if isinstance(node, ast.AnnAssign):
+        return isinstance(node.target, ast.Name) and node.target.id == name
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return any((alias.asname or alias.name.split(".")[0]) == name for alias in node.names)
+    return False
+
+
 def _ours(dotted: str) -> bool:
-    """Whether `dotted` (relative to hf_sparse_cp) names a module of the plugin or something one defines."""
+    """Whether `dotted` (relative to hf_sparse_cp) names a module of the plugin or something one defines: the module
+    found without running it, the names read from its source (a module that needs Triton is named where Triton is
+    not installed too)."""
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
         try:
-            target = importlib.import_module(".".join(["hf_sparse_cp", *parts[:cut]]))
-        except ModuleNotFoundError:
+            spec = importlib.util.find_spec(".".join(["hf_sparse_cp", *parts[:cut]]))
+        except ImportError:  # (a parent that is a module, not a package)
             continue
-        for attr in parts[cut:]:
-            if not hasattr(target, attr):
-                return False
-            target = getattr(target, attr)
+        if spec is None:
+            continue
+        body = ast.parse(Path(spec.origin).read_text()).body
+        for name in parts[cut:]:  # (a module's name, then a class's member)
+            node = next((node for node in body if _binds(node, name)), None)
+            if node is None:
+                return _imported(".".join(["hf_sparse_cp", *parts[:cut]]), parts[cut:])
+            body = getattr(node, "body", [])
         return True
     return False
 
 
+def _imported(module: str, names: list[str]) -> bool:
+    """Whether `module` imported has `names` in turn (a member a class inherits), False where it does not import."""
+    try:
+        target = importlib.import_module(module)
+    except ImportError:
+        return False
+    for name in names:
+        if not hasattr(target, name):
+            return False
+        target = getattr(target, name)
+    return True
+
+
 def test_every_name_of_the_plugins_code_in_the_table_says_its_module():
     """A `why` or an `undo` names the plugin's code that relies on a member as `module.name` under hf_sparse_cp
-    (`integration.upstream.seed_workers_by`), which imports: after the split of compat.py the table named
-    `seed_workers_by`, `cp_exact_losses` or `card_tasks` bare, or beside a module that does not hold them
-    (`cp_whole_row_losses`, trainer/whole_rows.py). A bare name of ours, a file path, a dotted name that does not
-    import, or an undo's call that hf_sparse_cp does not export fails here, naming the entry."""
+    (`integration.upstream.seed_workers_by`), which resolves (`_ours`: read from its module's source, so that a module
+    needing Triton resolves where Triton is not installed, as in `make test-no-triton`): after the split of compat.py
+    the table named `seed_workers_by`, `cp_exact_losses` or `card_tasks` bare, or beside a module that does not hold
+    them (`cp_whole_row_losses`, trainer/whole_rows.py). A bare name of ours, a file path, a dotted name that does not
+    resolve, or an undo's call that hf_sparse_cp does not export fails here, naming the entry."""
     ours = _top_level_names()
     problems = []
     for patch in compat.PATCHES:
