@@ -90,7 +90,7 @@ class _SavedByDtype(Mapping[str, tuple[LayerSaved, ...]]):
                      ) -> tuple[LayerSaved, ...] | None:
         """What each layer saves beyond the Llama layer of its shape (Qwen3's q/k norms: their fp32 inputs, rsqrt
         and outputs), measured on both models as `measure` does: what stays when token tiles replace the Llama
-        layer's norms and MLP. None without a twin."""
+        layer's norms and MLP. None without a twin (a Llama's own layer, or a family tiles do not run)."""
         if self._twin is None:
             return None
         key = dtype, frozen, autocast
@@ -188,8 +188,10 @@ class Architecture:
         total = sum(p.numel() for p in model.parameters())
         rest = total - shape.layers * layer - (1 if tied else 2) * shape.vocab * shape.hidden
         largest = max(p.numel() for p in model.parameters())
+        # (a Llama has nothing beyond its own layer: no twin to measure)
+        twin = lean and config.model_type != "llama"
         saved = _SavedByDtype(model, kv_heads, where, twin=(lambda: meta_model(_llama_twin(config), where))
-                              if lean else None)
+                              if twin else None)
         return cls(shape, tied, layer - shape.layer_params, rest, lean,
                    largest if largest > shape.vocab * shape.hidden else 0, saved)
 
@@ -227,7 +229,8 @@ def _qwen3(shape: ModelShape) -> Architecture:
 class _Presets(Mapping[str, Architecture]):
     """The size presets `--model` names, the simulator's (`shapes.MODELS`), each built at its first lookup: Qwen2.5
     (config.json on the Hugging Face Hub), q/k/v biases, 0.5B, 1.5B and 3B tying the LM head to the embedding, a
-    Llama layer's tensors counted on its code; Qwen3-8B (`_qwen3`: its layers measured on the meta device, 2 s)."""
+    Llama layer's tensors counted on its code; Qwen3-8B (`_qwen3`: its layers measured on the meta device,
+    seconds)."""
 
     def __init__(self) -> None:
         self._built: dict[str, Architecture] = {}
@@ -639,6 +642,12 @@ class _Step:
                                               estimation=(g.estimation[0] * s.head_size, g.estimation[1]))
 
     @property
+    def fp32_stream(self) -> bool:
+        """Whether the residual stream is wider than the compute dtype: autocast over fp32 weights (`r` > `a`),
+        where the layers are measured under autocast and each matrix product saves its own cast of its input."""
+        return self.r > self.a
+
+    @property
     def geometry(self) -> _AttentionGeometry:
         """The attention of the tape's current layer (`window`)."""
         return self.geometries[self.window]
@@ -654,8 +663,8 @@ class _Step:
             return None
         measure = getattr(self.arch.layer_saved, "measure", None)
         if measure is not None:
-            return measure(self.s.dtype, frozen=self.lora is not None, autocast=self.r > self.a)[self.layer]
-        if self.lora is not None or self.r > self.a:  # (a given mapping holds the plain regime's only)
+            return measure(self.s.dtype, frozen=self.lora is not None, autocast=self.fp32_stream)[self.layer]
+        if self.lora is not None or self.fp32_stream:  # (a given mapping holds the plain regime's only)
             return None
         return self.arch.layer_saved[self.s.dtype][self.layer]
 
@@ -666,7 +675,7 @@ class _Step:
         beyond = getattr(self.arch.layer_saved, "beyond_llama", None)
         if not self.s.savers.tiled or beyond is None:
             return None
-        layers = beyond(self.s.dtype, frozen=self.lora is not None, autocast=self.r > self.a)
+        layers = beyond(self.s.dtype, frozen=self.lora is not None, autocast=self.fp32_stream)
         return None if layers is None else layers[self.layer]
 
     @property
@@ -789,10 +798,10 @@ class _Step:
         return []
 
     def cast_for_products(self, output: int, products: int, saved: list[int]) -> int | None:
-        """A norm's `output` read by `products` matrix products: under an fp32 residual stream (`r` > `a`) each
+        """A norm's `output` read by `products` matrix products: under an fp32 residual stream (`fp32_stream`) each
         casts it to the compute dtype, its own copy, which it saves (appended to `saved`; LoRA's frozen products
         save none) and the output is freed (None returned); otherwise they save the output itself (returned)."""
-        if self.r == self.a:
+        if not self.fp32_stream:
             return output
         if self.lora is not None:  # (the adapters' own copies: `lora_saved`)
             self.tape.transient("attention tensors", per_token=self.a * self.h)
