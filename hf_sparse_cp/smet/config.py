@@ -136,12 +136,6 @@ class SMETConfig(FileConfig):
         trains at (whole blocks per row, `rounding.kept_blocks`), which may differ from the one asked."""
         return density ** -self.lr_density_exponent if self.density_lr_scaling else 1.0
 
-    def naive(self) -> SMETConfig:
-        """The same topology schedule with every cold-start cure off (plain dynamic sparse Adam)."""
-        return dataclasses.replace(
-            self, local_bias_correction=False, regrow_warmup_steps=0, density_lr_scaling=False
-        )
-
 
 def check_values(values: Any, prefix: str = "") -> None:
     """Raise a ValueError that says how to fix it for the first value out of range among `values` (an `SMETConfig`,
