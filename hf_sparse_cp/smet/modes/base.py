@@ -10,7 +10,10 @@ A mode answers, for every sparse weight:
 * the regrowth rule it takes when `SMETConfig.regrowth` is unset (`regrowth`).
 
 Every mode masks the gradients of inactive blocks and keeps Adam's moments for active blocks only; the cold-start
-cures (`SMETConfig.local_bias_correction`, ...) apply whatever the mode.
+cures (`SMETConfig.local_bias_correction`, ...) apply whatever the mode. A mode's scores are computed from a row's
+weights and updates, which every rank holding a copy of the row holds alike (DDP replicas; FSDP2 shards by rows), so
+every copy takes the same decisions as one process: a score from anything else (a rank's own gradient, its batch)
+would let the copies drift apart.
 """
 
 from __future__ import annotations
