@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import types
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from hf_sparse_cp.smet import SMETConfig
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 VOCAB = 64
@@ -76,6 +78,12 @@ def lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy in the model's dtype (transformers' loss upcasts only to float32)."""
     logits = model(input_ids=tokens).logits[:, :-1]
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def naive(config: SMETConfig) -> SMETConfig:
+    """`config` with every cold-start cure off: plain dynamic sparse Adam on the same topology schedule, the baseline
+    the SMET tests compare with (a user sets the three fields, or flags, themselves)."""
+    return dataclasses.replace(config, local_bias_correction=False, regrow_warmup_steps=0, density_lr_scaling=False)
 
 
 def fit(model: torch.nn.Module, opt: torch.optim.Optimizer, batches) -> list[float]:

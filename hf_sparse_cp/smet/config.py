@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from ..config.files import FileConfig, check_field_types
+from ..config.registries import check_registered
+from .masks import MASK32
+from .modes import SMETMode, smet_mode_named, smet_modes
 
-MASK32 = 0xFFFFFFFF  # (the random choices hash 32-bit values, `masks.hash_uniform`)
+SMET_MODES = tuple(mode.name for mode in smet_modes())  # the built-in modes (registered by `.modes`)
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -42,11 +45,9 @@ class SMETConfig(FileConfig):
     KIND: ClassVar[str] = "SMET"
     COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("density",)
 
-    mode: Literal["sparse_weights", "sparse_update"] = field(
+    mode: Literal[SMET_MODES] = field(
         default="sparse_weights",
-        metadata={"help": "'sparse_weights': train from scratch with masked weights (inactive weights are exactly "
-                  "zero); 'sparse_update': fine-tune a pretrained model, all weights keep their values and only "
-                  "a rotating active set of blocks is updated."},
+        metadata={"help": "; ".join(f"'{mode.name}': {mode.help}" for mode in smet_modes()) + "."},
     )
     density: float = field(
         default=0.25,
@@ -77,7 +78,7 @@ class SMETConfig(FileConfig):
     regrowth: Literal["random", "gradient"] | None = field(
         default=None,
         metadata={"help": "How blocks are regrown: 'random' (SET) or 'gradient' (largest gradient magnitude, "
-                  "RigL). Default: 'random' for sparse_weights, 'gradient' for sparse_update."},
+                  "RigL). Default: " + ", ".join(f"'{mode.regrowth}' for {mode.name}" for mode in smet_modes()) + "."},
     )
     target_modules: list[str] = field(
         default_factory=lambda: list(DEFAULT_TARGET_MODULES),
@@ -113,31 +114,34 @@ class SMETConfig(FileConfig):
 
     def __post_init__(self) -> None:
         self.target_modules = module_names(self.target_modules)
-        check_field_types(self)  # (mode and regrowth too: their Literal lists the allowed values)
+        # (regrowth too: its Literal lists the allowed values; mode's lists the built-in modes for the flag, and any
+        # registered mode is valid here: `check_values`)
+        check_field_types(self, [f.name for f in dataclasses.fields(self) if f.name != "mode"])
         check_values(self)
+
+    @property
+    def registered_mode(self) -> SMETMode:
+        """The registered mode `mode` names (`hf_sparse_cp.smet.modes`), which the optimizer asks what to do."""
+        return smet_mode_named(self.mode)
 
     @property
     def regrowth_rule(self) -> str:
         """The regrowth rule in use ('random' or 'gradient'), with the mode's default filled in."""
         if self.regrowth is not None:
             return self.regrowth
-        return "random" if self.mode == "sparse_weights" else "gradient"
+        return self.registered_mode.regrowth
 
     def lr_scale_at(self, density: float) -> float:
         """Learning-rate multiplier of a sparse matrix whose rows keep `density` of their blocks: the density it
         trains at (whole blocks per row, `rounding.kept_blocks`), which may differ from the one asked."""
         return density ** -self.lr_density_exponent if self.density_lr_scaling else 1.0
 
-    def naive(self) -> SMETConfig:
-        """The same topology schedule with every cold-start cure off (plain dynamic sparse Adam)."""
-        return dataclasses.replace(
-            self, local_bias_correction=False, regrow_warmup_steps=0, density_lr_scaling=False
-        )
-
 
 def check_values(values: Any, prefix: str = "") -> None:
     """Raise a ValueError that says how to fix it for the first value out of range among `values` (an `SMETConfig`,
     or any object with its fields as attributes), naming a field `prefix + name` (the flags: `--smet_`)."""
+    check_registered(f"{prefix}mode", values.mode, [mode.name for mode in smet_modes()], "a mode",
+                     "hf_sparse_cp.smet.register_smet_mode(instance)")
     if not 0.0 < values.density <= 1.0:
         raise ValueError(f"{prefix}density={values.density} must be in (0, 1]; e.g. 0.5, 0.25 or 0.1.")
     if values.block_size < 1:

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import MASK32 as _MASK32
 from .dtensor import local, row_offset
 from .rounding import kept_blocks
+
+MASK32 = 0xFFFFFFFF  # the random choices hash 32-bit values (`hash_uniform`)
 
 # Odd multipliers below 2**31, so a 32-bit value times one of them fits in int64 without overflow.
 _MIX1 = 0x7FEB352D
@@ -143,18 +144,18 @@ def hash_uniform(ids: torch.Tensor, *keys: int) -> torch.Tensor:
     Replaces a stateful RNG: the same (seed, parameter, step, block) gives the same number on any
     device and under any sharding, and nothing needs to be checkpointed.
     """
-    x = ids.to(torch.int64) & _MASK32
+    x = ids.to(torch.int64) & MASK32
     for key in keys:
-        x = _mix32(x ^ (int(key) & _MASK32))
+        x = _mix32(x ^ (int(key) & MASK32))
     x = _mix32(x)
     return x.to(torch.float64).div_(2.0**32).to(torch.float32)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 16)
-    x = (x * _MIX1) & _MASK32
+    x = (x * _MIX1) & MASK32
     x = x ^ (x >> 15)
-    x = (x * _MIX2) & _MASK32
+    x = (x * _MIX2) & MASK32
     return x ^ (x >> 16)
 
 

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from .config import SMETConfig
 from .dtensor import like_param, local, local_rows_of
-from .masks import BlockGrid, block_l1
+from .masks import BlockGrid
 from .topology import initial_blocks, prune_rate, prune_slots, regrow
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class SMETAdam(torch.optim.Optimizer):
 
     Build it with `hf_sparse_cp.smet.create_smet_optimizer`, which finds the sparse matrices of a
     model. Call `attach()` before the first forward (the factory and the Trainer callback do): it
-    chooses the first active blocks, zeroes inactive weights (`sparse_weights` mode) and installs
+    chooses the first active blocks, zeroes inactive weights (where the mode says so: `sparse_weights`) and installs
     the hooks that zero the gradients of inactive blocks as soon as they are accumulated, so
     gradient clipping sees the sparse gradient.
     """
@@ -137,7 +137,7 @@ class SMETAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def attach(self) -> SMETAdam:
         """Create masks and compact states for the current parameters (keeping loaded ones), zero the
-        inactive weights in `sparse_weights` mode, and hook gradient masking. Idempotent.
+        inactive weights where the mode says so (`sparse_weights`), and hook gradient masking. Idempotent.
 
         Call it again if the parameters in `param_groups` are replaced (accelerate swaps them for
         FSDP2 shards after the optimizer is built; the Trainer callback attaches after that)."""
@@ -152,7 +152,7 @@ class SMETAdam(torch.optim.Optimizer):
             grid = self._grid(param)
             if not state:
                 state.update(self._new_sparse_state(param, grid, key))
-            if self.config.mode == "sparse_weights":
+            if self.config.registered_mode.zeroes_inactive_weights:
                 grid.blocks(local(param)).masked_fill_(grid.inactive(state["block_index"]), 0)
             if param.requires_grad and self._hooks.get(id(param), (None,))[0] is not param:
                 self._hooks[id(param)] = (param, param.register_post_accumulate_grad_hook(_grad_hook(self)))
@@ -177,8 +177,9 @@ class SMETAdam(torch.optim.Optimizer):
 
     def _new_sparse_state(self, param: torch.Tensor, grid: BlockGrid, key: int) -> dict[str, torch.Tensor]:
         weights = local(param)
-        magnitude = grid.block_l1(grid.blocks(weights)) if self.config.mode == "sparse_weights" else None
-        index = initial_blocks(grid.global_block_ids(weights.device), grid.k, self.config.seed, key, magnitude)
+        mode = self.config.registered_mode
+        index = initial_blocks(grid.global_block_ids(weights.device), grid.k, self.config.seed, key,
+                               mode.initial_scores(grid, weights))
         shape = (grid.rows, grid.k, grid.block_size)
         state = {
             "step": torch.tensor(0.0),
@@ -187,8 +188,8 @@ class SMETAdam(torch.optim.Optimizer):
             "block_index": index.to(grid.index_dtype),
             "block_step": torch.zeros(shape[:2], dtype=torch.int32, device=weights.device),
         }
-        if self.config.mode == "sparse_update":
-            state["update_magnitude"] = torch.zeros(shape[:2], dtype=torch.float32, device=weights.device)
+        for name, dtype in mode.slot_state.items():
+            state[name] = torch.zeros(shape[:2], dtype=dtype, device=weights.device)
         return state
 
     # ---- gradient masking (runs in backward, before any clipping) ----
@@ -367,8 +368,7 @@ class SMETAdam(torch.optim.Optimizer):
             step_size = lr * torch.where(regrown, ramp, torch.ones_like(ramp))
         new = old * (1 - step_size * decay) if decay and self.decoupled_weight_decay else old
         new = new - step_size * update
-        if "update_magnitude" in state:
-            state["update_magnitude"].add_(block_l1(new - old))
+        cfg.registered_mode.record_update(state, old, new)
         grid.scatter_(weights, index, new.to(weights.dtype))
 
     @torch.no_grad()
@@ -382,19 +382,16 @@ class SMETAdam(torch.optim.Optimizer):
         gradient_score: torch.Tensor | None,
     ) -> int:
         """Prune and regrow the blocks of one sparse weight; returns the number of replaced blocks."""
-        cfg = self.config
+        cfg, mode = self.config, self.config.registered_mode
         rate = prune_rate(cfg, step, self.schedule_horizon)
         if rate <= 0 or grid.rows == 0:
             return 0
         index = state["block_index"]
         weights = local(param)
-        if cfg.mode == "sparse_weights":
-            scores = block_l1(grid.gather(weights, index))
-        else:
-            scores = state["update_magnitude"]
+        scores = mode.prune_scores(grid, weights, state)
         device = weights.device
         pruned = prune_slots(scores, rate, grid.global_row_ids(device), cfg.seed, key, step)
-        if cfg.mode == "sparse_weights":
+        if mode.zeroes_inactive_weights:
             grid.scatter_(weights, index, grid.gather(weights, index).masked_fill_(pruned.unsqueeze(-1), 0))
         if cfg.regrowth_rule == "random":
             gradient_score = None
@@ -407,8 +404,8 @@ class SMETAdam(torch.optim.Optimizer):
         for name in ("exp_avg", "exp_avg_sq"):
             state[name].masked_fill_(pruned.unsqueeze(-1), 0)
         state["block_step"].masked_fill_(pruned, 0)
-        if "update_magnitude" in state:
-            state["update_magnitude"].masked_fill_(pruned, 0)
+        for name in mode.slot_state:
+            state[name].masked_fill_(pruned, 0)
         return int(pruned.sum())
 
     # ---- checkpointing ----
@@ -508,8 +505,8 @@ class SMETAdam(torch.optim.Optimizer):
                 "block_index": (block_shape[:-1], grid.index_dtype),
                 "block_step": (block_shape[:-1], torch.int32),
             }
-            if self.config.mode == "sparse_update":
-                expected["update_magnitude"] = (block_shape[:-1], torch.float32)
+            expected.update({name: (block_shape[:-1], dtype)
+                             for name, dtype in self.config.registered_mode.slot_state.items()})
         else:
             expected = {name: (tuple(shard.shape), param.dtype) for name in DENSE_STATE}
         missing = set(expected) - set(saved)

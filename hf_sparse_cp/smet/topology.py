@@ -31,8 +31,9 @@ def prune_rate(config: SMETConfig, step: int, horizon: int | None) -> float:
 def initial_blocks(
     block_ids: torch.Tensor, k: int, seed: int, param_key: int, magnitude: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The first active set: per row the `k` blocks of largest `magnitude` (sparse_weights), or `k`
-    random blocks when `magnitude` is None (sparse_update). Returns int64 `[rows, k]`, sorted.
+    """The first active set: per row the `k` blocks of largest `magnitude` (the mode's `initial_scores`:
+    sparse_weights' block L1 norms), or `k` random blocks when `magnitude` is None (sparse_update). Returns int64
+    `[rows, k]`, sorted.
 
     Choosing by magnitude makes the choice idempotent: weights that are already block-sparse with at
     most `k` nonzero blocks per row (a checkpoint) keep exactly their nonzero blocks.

@@ -11,7 +11,7 @@ import torch
 
 from hf_sparse_cp.smet import SMETConfig, create_smet_optimizer
 
-from smet_common import fit, markov_tokens, tiny_llama
+from smet_common import fit, markov_tokens, naive, tiny_llama
 
 STEPS, INTERVAL, LR = 300, 20, 1e-2
 WINDOW = 10  # steps after an update in which a spike is looked for
@@ -27,7 +27,7 @@ def _train(kind: str) -> list[float]:
     if kind == "dense":
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     else:
-        config = CONFIG if kind == "smet" else CONFIG.naive()
+        config = CONFIG if kind == "smet" else naive(CONFIG)
         opt = create_smet_optimizer(model, torch.optim.AdamW, config, lr=LR, weight_decay=0.0)
     return [float("nan"), *fit(model, opt, [tokens] * STEPS)]
 

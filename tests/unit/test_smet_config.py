@@ -52,9 +52,7 @@ def test_defaults_and_derived_values():
     assert SMETConfig(mode="sparse_update").regrowth_rule == "gradient"
     assert cfg.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert SMETConfig(density=0.25, lr_density_exponent=1.0).lr_scale_at(0.25) == pytest.approx(4.0)
-    naive = SMETConfig(density=0.25).naive()
-    assert not naive.local_bias_correction and naive.regrow_warmup_steps == 0
-    assert naive.lr_scale_at(naive.density) == 1.0
+    assert SMETConfig(density=0.25, density_lr_scaling=False).lr_scale_at(0.25) == 1.0
     assert SMETConfig(target_modules="q_proj, v_proj").target_modules == ["q_proj", "v_proj"]
 
 

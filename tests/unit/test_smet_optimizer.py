@@ -12,7 +12,7 @@ from torch import nn
 from hf_sparse_cp.smet import SMETAdam, SMETConfig, create_smet_optimizer, state_nbytes
 from hf_sparse_cp.smet.masks import active_mask
 
-from smet_common import assert_resumes_exactly, fit, markov_tokens, tiny_llama
+from smet_common import assert_resumes_exactly, fit, markov_tokens, naive, tiny_llama
 
 BETAS = (0.9, 0.999)
 
@@ -66,7 +66,7 @@ def _naive_first_step(t: int) -> float:
 
 def test_first_update_of_a_regrown_block_is_no_larger_than_a_normal_step():
     base = SMETConfig(density=0.5, block_size=8, update_interval=3000, prune_rate=0.25)
-    naive_regrown, naive_normal, t = _first_regrown_update(base.naive())
+    naive_regrown, naive_normal, t = _first_regrown_update(naive(base))
     expected = _naive_first_step(t)
     assert expected > 3.0  # the cold-start overshoot, -> (1 - b1) / sqrt(1 - b2) = 3.16 late in training
     torch.testing.assert_close(naive_regrown, torch.full_like(naive_regrown, expected), rtol=1e-4, atol=0)
@@ -77,7 +77,7 @@ def test_first_update_of_a_regrown_block_is_no_larger_than_a_normal_step():
     assert smet_regrown.max() <= 1.0 / base.regrow_warmup_steps * (1 + 1e-5)
 
     # Local bias correction alone: the first step is a sign step of exactly lr, never 3.16 lr.
-    bias_only, _, _ = _first_regrown_update(dataclasses.replace(base.naive(), local_bias_correction=True))
+    bias_only, _, _ = _first_regrown_update(dataclasses.replace(naive(base), local_bias_correction=True))
     torch.testing.assert_close(bias_only, torch.ones_like(bias_only), rtol=1e-4, atol=0)
 
 

@@ -1,0 +1,102 @@
+"""What a SMET mode is (`SMETMode`): what differs between ways of training a weight sparsely, answered by the mode
+so that the optimizer never branches on its name; and the registry of modes by name (`SMETConfig.mode`).
+
+A mode answers, for every sparse weight:
+* whether its inactive weights are exactly zero (`zeroes_inactive_weights`: zeroed when the optimizer attaches and
+  when a block is pruned), or keep their values and are only not updated;
+* which blocks start active (`initial_scores`: the largest per row, or random ones);
+* which active blocks are pruned (`prune_scores`: the smallest per row), from what state (`slot_state`, kept per
+  active block, updated after every step by `record_update`);
+* the regrowth rule it takes when `SMETConfig.regrowth` is unset (`regrowth`).
+
+Every mode masks the gradients of inactive blocks and keeps Adam's moments for active blocks only; the cold-start
+cures (`SMETConfig.local_bias_correction`, ...) apply whatever the mode. A mode's scores are computed from a row's
+weights and updates, which every rank holding a copy of the row holds alike (DDP replicas; FSDP2 shards by rows), so
+every copy takes the same decisions as one process: a score from anything else (a rank's own gradient, its batch)
+would let the copies drift apart.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from ...config.registries import register_in
+
+if TYPE_CHECKING:
+    from ..masks import BlockGrid
+
+REGROWTH_RULES = ("random", "gradient")  # (SMETConfig.regrowth's values: SET's and RigL's)
+
+
+class SMETMode(ABC):
+    """One way of training sparse weights (see the module docstring). Subclasses set `name`, `help` (the
+    `--smet_mode` flag's text for this mode) and `regrowth`; `modes/__init__.py` registers an instance
+    (`register_smet_mode`), and so does a user for a mode of their own."""
+
+    name: ClassVar[str]
+    help: ClassVar[str]
+    regrowth: ClassVar[str]  # the rule when SMETConfig.regrowth is unset: 'random' (SET) or 'gradient' (RigL)
+    # Inactive weights are exactly zero: the optimizer zeroes them when it attaches and when it prunes a block.
+    zeroes_inactive_weights: ClassVar[bool] = False
+    # State the mode keeps per active block ([rows, k] of this dtype) besides Adam's: the optimizer creates it zero,
+    # zeroes a pruned block's, saves it and refuses a checkpoint without it.
+    slot_state: ClassVar[Mapping[str, torch.dtype]] = {}
+
+    def __repr__(self) -> str:
+        return f"<SMET mode {self.name!r}>"
+
+    @abstractmethod
+    def initial_scores(self, grid: BlockGrid, weights: torch.Tensor) -> torch.Tensor | None:
+        """Scores `[rows, blocks_per_row]` of the blocks of `weights` (a weight's local shard, laid out as `grid`
+        says) of which every row starts with its `grid.k` largest (ties broken by a hash of the seed), or None for
+        `grid.k` blocks hashed at random from the seed."""
+
+    @abstractmethod
+    def prune_scores(self, grid: BlockGrid, weights: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Scores `[rows, k]` of the active blocks of `weights` (their index: `state['block_index']`; `state` holds
+        this mode's `slot_state` too), of which a topology update prunes the smallest in every row."""
+
+    def record_update(self, state: dict[str, torch.Tensor], old: torch.Tensor, new: torch.Tensor) -> None:
+        """After an optimizer step of a weight's active blocks from `old` to `new` (`[rows, k, block_size]`, in the
+        step's compute dtype): update this mode's `slot_state` in `state` (by default there is none)."""
+        return None
+
+
+_MODES: dict[str, SMETMode] = {}
+
+
+def register_smet_mode(mode: SMETMode) -> SMETMode:
+    """Make `mode` (an instance of a `SMETMode` subclass) selectable as `SMETConfig(mode=mode.name)`. A name
+    registered to a mode of another class is refused: the built-in modes, and a plug-in's, cannot be replaced by
+    accident (a class redefined under its name, a notebook's cell run again, replaces its earlier instance)."""
+    if not isinstance(mode, SMETMode):
+        raise TypeError(f"register_smet_mode takes an instance of a SMETMode subclass (hf_sparse_cp.smet.SMETMode), "
+                        f"not {type(mode).__name__} {mode!r}: subclass SMETMode, set its `name`, `help` and "
+                        "`regrowth`, implement initial_scores and prune_scores, and register an instance.")
+    name = getattr(mode, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{type(mode).__name__} has no `name` (a class attribute, the SMETConfig.mode value that "
+                         "selects it): set one before registering it.")
+    if getattr(mode, "regrowth", None) not in REGROWTH_RULES:
+        rules = ", ".join(map(repr, REGROWTH_RULES))
+        raise ValueError(f"SMET mode {name!r} has regrowth={getattr(mode, 'regrowth', None)!r} (the rule it takes "
+                         f"when SMETConfig.regrowth is unset): set it to one of {rules}.")
+    register_in(_MODES, name, mode, "SMET mode")
+    return mode
+
+
+def smet_mode_named(name: str) -> SMETMode:
+    """The registered mode called `name`; ValueError naming the modes otherwise."""
+    if not isinstance(name, str) or name not in _MODES:  # (a list: `in` a TypeError, unhashable)
+        raise ValueError(f"SMET mode={name!r} is unknown; use one of {', '.join(map(repr, _MODES))} (a mode of your "
+                         "own: hf_sparse_cp.smet.register_smet_mode(instance) first).")
+    return _MODES[name]
+
+
+def smet_modes() -> tuple[SMETMode, ...]:
+    """Every registered mode, in registration order."""
+    return tuple(_MODES.values())
