@@ -26,20 +26,16 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from hf_sparse_cp.launch.command import check_command, parse_plugin_flags, split_command
+from hf_sparse_cp.launch.command import PROG, check_command, parse_plugin_flags, split_command
 from hf_sparse_cp.launch.interrupts import INTERRUPTED, end_interrupted
 from hf_sparse_cp.launch.known_scripts import module_found, trl_trainers
-from hf_sparse_cp.launch.launched import (
-    PROG,
-    LaunchedRun,
-    flags_given,
-    launched,
-    no_trainer_warning,
-    plugin_flags_in,
-)
 from hf_sparse_cp.launch.refusals import command_name, end_refused, exit_refused
 from hf_sparse_cp.trainer.arguments import is_flag_error
-from hf_sparse_cp.trainer.sparse_trainer import note_failing_exit
+
+# The Trainer's modules (`launched`, `sparse_trainer`: transformers' Trainer, seconds of imports) are imported once the
+# command is checked and its plugin flags parsed: `--help` and a refused command answer without them.
+# (`launch.worker` imports them ahead, where a Ctrl-C during the imports ends the process in silence.)
+HEAVY_MODULES = ("hf_sparse_cp.launch.launched", "hf_sparse_cp.trainer.sparse_trainer")
 
 USAGE = f"{PROG} [PLUGIN FLAGS] (script.py | -m module) [SCRIPT ARGS]"
 
@@ -77,10 +73,12 @@ def _with_values(args: Sequence[str], flags: Sequence[str]) -> list[str]:
     return kept
 
 
-def _explain_refused_plugin_flags(target: str, run: LaunchedRun, args: Sequence[str]) -> None:
+def _explain_refused_plugin_flags(target: str, run, args: Sequence[str]) -> None:
     """Say why a script that parses its command line without `HfArgumentParser` (argparse of its own, as
     transformers' run_clm_no_trainer.py) exited refusing the plugin's flags after its path: its parser names them
-    unrecognized, as if the plugin had no such flags."""
+    unrecognized, as if the plugin had no such flags. `run`: the `LaunchedRun`."""
+    from hf_sparse_cp.launch.launched import plugin_flags_in
+
     stray = plugin_flags_in(args)
     if run.trainers_built or run.hf_parsers or not stray or os.environ.get("RANK", "0") != "0":
         return
@@ -98,6 +96,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     flags, target, is_module, args = split_command(sys.argv[1:] if argv is None else argv)
     check_command(flags, target, is_module, usage=USAGE, prog=PROG, args=args)
     plugin = parse_plugin_flags(flags, prog=PROG, usage=USAGE, description=__doc__)  # (--help exits here)
+    from hf_sparse_cp.launch.launched import flags_given, launched, no_trainer_warning
+    from hf_sparse_cp.trainer.sparse_trainer import note_failing_exit
+
     with launched(plugin) as run:
         if is_module and not module_found(target):  # (else runpy's ImportError traceback, in every process)
             exit_refused(f"usage: {USAGE}\n{PROG}: error: no module named {target!r} (of -m {target}): check the "

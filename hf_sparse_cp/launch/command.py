@@ -25,6 +25,8 @@ from hf_sparse_cp.trainer.plugin_arguments import COMMON_FLAGS, PluginArguments,
 
 from .known_scripts import source_words, training_flags
 
+PROG = "python -m hf_sparse_cp.run"
+
 
 class _Refused(Exception):
     """What argparse would print and exit with, raised instead (`_SplitParser`)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import importlib
 import importlib.machinery
 import importlib.util
@@ -160,18 +161,29 @@ def reads_trl_config(target: str, is_module: bool) -> bool:
                                for call in calls)
 
 
+@dataclasses.dataclass
+class DeviceFlags:
+    """The two fields of transformers' `TrainingArguments` (and TRL's configs, its subclasses) that decide where a
+    launched script trains, declared as there (a bool, False unless given): their flags parse as the script's parser
+    parses them, without importing `TrainingArguments` (seconds: the Trainer's dependencies, accelerate) in the
+    launcher, which reads them before it starts the processes (tests/unit/test_launch.py checks them against
+    transformers')."""
+
+    use_liger_kernel: bool = False
+    use_cpu: bool = False
+
+
 def training_flags(plugin: PluginArguments, args: Sequence[str]) -> SimpleNamespace | None:
     """--use_liger_kernel, --use_cpu, --sparse_attention and --sparse_fused_ops as a TRL script's parser reads them
     from `args` (the plugin's before the script path, `plugin`, as their defaults); None where that parser alone can
     say (a value it will refuse)."""
-    from transformers import TrainingArguments  # (here: the launcher's other checks import no model code)
 
     class Quiet(argparse.ArgumentParser):
         def error(self, message: str):
             raise ValueError(message)
 
     parser = Quiet(add_help=False, allow_abbrev=False)
-    for source, names in ((HfArgumentParser(TrainingArguments), ("use_liger_kernel", "use_cpu")),
+    for source, names in ((HfArgumentParser(DeviceFlags), ("use_liger_kernel", "use_cpu")),
                           (HfArgumentParser(PluginArguments), ("sparse_attention", "sparse_fused_ops"))):
         for action in source._actions:
             if action.dest not in names or not action.option_strings:

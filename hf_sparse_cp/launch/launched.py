@@ -54,13 +54,13 @@ from ..trainer.sparse_trainer import (
     sparse_trainer_class,
     with_plugin_arguments,
 )
+from .command import PROG
 from .interrupts import record_output_dir
 from .known_scripts import trainers_refusal
 from .refusals import exit_refused
 
 logger = logging.getLogger(__name__)
 
-PROG = "python -m hf_sparse_cp.run"
 
 
 def plugin_flag_names() -> frozenset[str]:

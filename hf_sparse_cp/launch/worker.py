@@ -7,15 +7,21 @@ line, where each process printed Python's KeyboardInterrupt traceback through it
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 from .interrupts import INTERRUPTED
 
 
 def main() -> None:
-    """Import `hf_sparse_cp.run` and run its `main` on this process's command line."""
+    """Import `hf_sparse_cp.run` (and the Trainer's modules it imports as it runs) and run its `main` on this
+    process's command line."""
     try:
+        from hf_sparse_cp.run import HEAVY_MODULES
         from hf_sparse_cp.run import main as run
+
+        for module in HEAVY_MODULES:  # (the run imports them once its flags parse: here, within this guard)
+            importlib.import_module(module)
     except KeyboardInterrupt:
         sys.exit(INTERRUPTED)
     run()

@@ -18,10 +18,15 @@ With a Trainer: `hf_sparse_cp.install_smet(trainer, config)` (flags:
 `hf_sparse_cp.SMETArguments`).
 """
 
+from ..lazy import lazy_attributes
 from .config import SMETConfig
-from .factory import SMETOptimizerFactory, create_smet_optimizer, smet_param_groups, state_nbytes
 from .modes import SMETMode, register_smet_mode, smet_mode_named, smet_modes
-from .optimizer import SMETAdam, unwrap_smet
+
+# The optimizer's names import torch (its DTensor support too) on first use: the launcher reads `SMETConfig` (the
+# --smet* flags) before it starts any process, where torch.distributed.tensor alone took half a second to import.
+__getattr__ = lazy_attributes(__name__, {
+    "SMETOptimizerFactory": "factory", "create_smet_optimizer": "factory", "smet_param_groups": "factory",
+    "state_nbytes": "factory", "SMETAdam": "optimizer", "unwrap_smet": "optimizer"})
 
 __all__ = [
     "SMETAdam",

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .dtensor import local, row_offset
 from .rounding import kept_blocks
 
 MASK32 = 0xFFFFFFFF  # the random choices hash 32-bit values (`hash_uniform`)
@@ -47,6 +46,10 @@ class BlockGrid:
     def of(cls, param: torch.Tensor, density: float, block_size: int, name: str = "parameter",
            transposed: bool | None = False) -> BlockGrid:
         """The grid of `param`; `transposed` says how a 3-D one's slices are stored (None: unknown, refused)."""
+        # (imported here: `dtensor` imports torch.distributed.tensor, half a second, and the modes, which SMETConfig
+        # and so the launcher's flag checks import, read this module)
+        from .dtensor import local, row_offset
+
         if param.dim() not in (2, 3):
             raise ValueError(
                 f"{name} has shape {tuple(param.shape)}; SMET makes only 2-D (linear) weights and 3-D stacks of them "

@@ -43,6 +43,31 @@ def test_launchers_checks_before_any_process_starts_import_no_trainer(tmp_path):
     assert json.loads(done.stdout.splitlines()[-1]) == [], done.stdout + done.stderr
 
 
+def test_launchers_checks_of_a_scripts_flags_import_neither_training_arguments_nor_the_smet_optimizer(tmp_path):
+    """The checks of `launch --nproc N` that read the script's --use_cpu (its plugin flags checked as on the CPU) and
+    the --smet* flags imported transformers' TrainingArguments (with accelerate) and SMET's optimizer (with
+    torch.distributed.tensor): seconds before any process started, in every launch. They read the flags without
+    them now."""
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('not run: the launch is refused before')\n")
+    heavy = ("transformers.training_args", "transformers.trainer", "accelerate", "torch.distributed.tensor")
+    argv = ["launch", "--nproc", "2", str(script), "--use_cpu", "--smet", "--smet_density", "0.5", "--cp_size", "4"]
+    done = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv, heavy=heavy)], capture_output=True,
+                          text=True, timeout=300)
+    assert "cp_size=4 does not divide the world size 2" in done.stderr, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [], done.stdout + done.stderr
+
+
+def test_launchers_help_imports_no_trainer():
+    """`hf-sparse-cp launch --help` (and `python -m hf_sparse_cp.run --help`) lists the plugin's flags before
+    `hf_sparse_cp.run` imports the Trainer's modules: it took 8 s on a busy machine, 3 s now."""
+    heavy = ("transformers.trainer", "transformers.training_args", "hf_sparse_cp.launch.launched")
+    done = subprocess.run([sys.executable, "-c", PROBE.format(argv=["launch", "--help"], heavy=heavy)],
+                          capture_output=True, text=True, timeout=300)
+    assert "--sparse_block_size" in done.stdout, done.stdout + done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [], done.stdout + done.stderr
+
+
 def test_version_names_the_package_version(capsys):
     from hf_sparse_cp.cli import main
 

@@ -1485,3 +1485,19 @@ def test_a_launched_process_interrupted_during_its_imports_ends_in_silence(monke
     with pytest.raises(SystemExit) as ended:
         worker.main()
     assert ended.value.code == 130 and capsys.readouterr() == ("", "")
+
+
+def test_the_launchers_device_flags_parse_as_the_training_arguments_flags():
+    """The launcher reads --use_cpu and --use_liger_kernel from a script's arguments before any process starts,
+    without importing `TrainingArguments` (seconds): its own declaration of the two fields makes the same argparse
+    options as transformers' (and TRL's config, which declares use_liger_kernel again)."""
+    from trl import SFTConfig
+
+    from hf_sparse_cp.launch.known_scripts import DeviceFlags
+
+    def options(cls):
+        return {action.dest: (action.option_strings, action.nargs, action.const, action.type, action.default)
+                for action in HfArgumentParser(cls)._actions if action.dest in ("use_cpu", "use_liger_kernel")}
+
+    assert options(DeviceFlags) == options(TrainingArguments) == options(SFTConfig)
+    assert len(options(DeviceFlags)) == 2
