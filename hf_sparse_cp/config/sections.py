@@ -110,6 +110,14 @@ def budget_modes() -> tuple[str, ...]:
     return tuple(_registered())
 
 
+def builtin_budget_modes() -> tuple[str, ...]:
+    """The built-in budget modes (those `hf_sparse_cp.attention.budgets` defines), in registration order: the ones
+    the command-line flags list. A mode a user registers is selected in code or in a config file read after it is
+    registered; its fields are no flags, whichever was imported first (the flags are built once, on import)."""
+    return tuple(mode for mode, cls in _registered().items()
+                 if cls.__module__ == BUILTIN_BUDGETS or cls.__module__.startswith(BUILTIN_BUDGETS + "."))
+
+
 def budget_class(mode: str) -> type[BudgetSection]:
     check_registered("budget_mode", mode, _registered(), "a mode",
                      "@hf_sparse_cp.config.sections.register_budget on its class")

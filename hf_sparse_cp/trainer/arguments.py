@@ -31,9 +31,9 @@ from ..config.sections import (
     DEFAULT_MODE,
     Scoring,
     budget_class,
-    budget_field_names,
     budget_modes,
-    modes_of,
+    builtin_budget_modes,
+    field_names,
     scoring_from,
 )
 from ..config.sparse_attention import MIN_BLOCK_SIZE
@@ -243,7 +243,8 @@ def pattern_flag_fields() -> list[tuple[str, Any, dataclasses.Field]]:
     """The flat keys of `SparseAttentionConfig` as `make_dataclass` fields: every field, its `budget` section
     as `budget_mode` and every mode's fields, its `scoring` section as its fields. A section's flag defaults
     to unset (None): the config file's value, else the budget mode's."""
-    hints, modes = typing.get_type_hints(SparseAttentionConfig), budget_modes()
+    # (the built-in modes only: a mode registered before this module was imported is no flag, as one registered after)
+    hints, modes = typing.get_type_hints(SparseAttentionConfig), builtin_budget_modes()
     out = []
     for f in dataclasses.fields(SparseAttentionConfig):
         if f.name == "budget":
@@ -252,8 +253,8 @@ def pattern_flag_fields() -> list[tuple[str, Any, dataclasses.Field]]:
             out.append(("budget_mode", Literal[modes] | None, field(default=None, metadata={
                 "help": f"How many verticals / slashes a head keeps. {about}. Unset: the --sparse_config file's, "
                         f"else the mode whose fields are given, else {DEFAULT_MODE!r}."})))
-            for name in budget_field_names():
-                owners = {m: _field(budget_class(m), name) for m in modes_of(name)}
+            for name in dict.fromkeys(name for m in modes for name in field_names(budget_class(m))):
+                owners = {m: _field(budget_class(m), name) for m in modes if name in field_names(budget_class(m))}
                 first = next(iter(owners.values()))
                 help_text = (f"{first.metadata['help']} Read in budget_mode {' and '.join(map(repr, owners))} "
                              f"(default {_by_mode({m: x.default for m, x in owners.items()})}); given without a "
@@ -334,7 +335,7 @@ SparseAttentionFlags = dataclasses.make_dataclass(
                "`SparseAttentionConfig` (e.g. `--sparse_vertical_topk 1024 --sparse_block_size 64`); `to_config()` "
                "gives the config.", "__module__": __name__,
                "COMMON_FLAGS": tuple(PATTERN_PREFIX + name for cls in (SparseAttentionConfig, *map(budget_class,
-                                                                                                 budget_modes()))
+                                                                                                 builtin_budget_modes()))
                                      for name in cls.COMMON_FLAGS)})
 SMETFlags = dataclasses.make_dataclass("SMETFlags", copied_fields(SMETConfig, FLAG_PREFIX), bases=(KnownKeywords,),
                                        namespace={"KIND": "SMET flag", "COMMON_FLAGS": tuple(

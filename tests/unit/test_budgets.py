@@ -279,3 +279,28 @@ def test_the_registry_refuses_what_it_cannot_run(monkeypatch):
         **{name: getattr(_AboveShare, name) for name in ("most_kept", "select", "describe")}})
     sections.register_budget(_AboveShare)
     assert sections.register_budget(again) is again and sections.budget_class("above_share") is again
+
+
+@dataclasses.dataclass
+class _AboveOwnShare(_AboveShare):
+    """A plug-in mode with a field of its own, without help text (a plain dataclass field)."""
+
+    mode = "above_own_share"
+    share: float = 0.125
+
+
+def test_a_registered_modes_fields_are_no_flags_whatever_was_imported_first(monkeypatch):
+    """The flags list the built-in budget modes: a mode registered before the Trainer's arguments were built (a script
+    that imports its plug-ins first) made its fields flags, and one without help text (`share: float = 0.125`) ended
+    the import of `hf_sparse_cp.trainer.arguments` with KeyError: 'help' (#50). Its config files still read it."""
+    from hf_sparse_cp.config import sections
+    from hf_sparse_cp.trainer.arguments import pattern_flag_fields
+
+    monkeypatch.setattr(sections, "_BUDGETS", dict(sections._registered()))
+    sections.register_budget(_AboveOwnShare)
+    names = [name for name, _, _ in pattern_flag_fields()]
+    assert "share" not in names and "vertical_topk" in names
+    mode_flag = next(hint for name, hint, _ in pattern_flag_fields() if name == "budget_mode")
+    assert "above_own_share" not in str(mode_flag) and "'mass'" in str(mode_flag)
+    assert sections.builtin_budget_modes() == ("topk", "topp", "mass")
+    assert SparseAttentionConfig.from_dict({"budget_mode": "above_own_share", "share": 0.25}).budget.share == 0.25
