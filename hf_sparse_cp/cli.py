@@ -212,6 +212,7 @@ def _launch(argv: list[str], command: str = "launch") -> int:
         # what each process would refuse, once, before any starts (else each prints it, then the launcher its failure):
         # the flags before the script path, which each parses alone, those among the script's arguments, which the
         # script's parser takes, a CP degree the processes cannot run
+        from hf_sparse_cp.config.registries import UnregisteredVariant
         from hf_sparse_cp.launch.command import parse_plugin_flags
         from hf_sparse_cp.launch.known_scripts import module_found, reads_trl_config, script_refusal
         from hf_sparse_cp.trainer.plugin_arguments import parsing_for_launch
@@ -220,6 +221,11 @@ def _launch(argv: list[str], command: str = "launch") -> int:
             plugin = parse_plugin_flags(plugin_flags, prog=prog, usage=usage)
             try:
                 run_flags = launched_flags(plugin, args, reads_trl_config(target, is_module))
+            except UnregisteredVariant:
+                # a config file among the script's arguments naming a variant of the user's own, which the script
+                # registers in each process before its parser reads the file: the processes check it (as they check
+                # what only the script's parser can say)
+                run_flags = None
             except (OSError, ValueError) as e:
                 parser.error(str(e))
         if run_flags is not None:

@@ -359,7 +359,10 @@ class FileConfig(KnownKeywords):
         try:
             return cls.from_dict(dict(value))
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: {e}") from None
+            from .registries import UnregisteredVariant  # (it imports this module)
+
+            # (a variant nobody registered yet stays one: a launcher leaves it to the script, which may register it)
+            raise (UnregisteredVariant if isinstance(e, UnregisteredVariant) else ValueError)(f"{where}: {e}") from None
 
     @classmethod
     def stored_on(cls, holder: Any):

@@ -42,11 +42,19 @@ def register_in(registry: dict[str, Any], name: str, entry: Any, kind: str, attr
     registry[name] = entry
 
 
+class UnregisteredVariant(ValueError):
+    """A setting names a variant (a budget mode, a CP mode, an attention engine, a SMET mode) that nobody registered
+    in this process (`check_registered`). A launcher that checks a script's flags before the script runs (and
+    registers its plug-ins) leaves such a setting to the script's processes."""
+
+
 def check_registered(name: str, value: Any, registered: Collection[str], own: str, register: str) -> None:
     """Raise ValueError, naming the registered values and how to add one, where setting `name` (a budget_mode, a
     cp_mode, an attention_engine) holds `value`, which is none of them (a list too: `in` would raise TypeError,
-    unhashable); worded as `check_field_types` words a value its Literal does not list. `own`: what the user adds
-    ('a mode'), `register`: the call that registers it ('hf_sparse_cp.distributed.register_cp_mode(instance)')."""
+    unhashable; a name: `UnregisteredVariant`); worded as `check_field_types` words a value its Literal does not list.
+    `own`: what the user adds ('a mode'), `register`: the call that registers it
+    ('hf_sparse_cp.distributed.register_cp_mode(instance)')."""
     if not isinstance(value, str) or value not in registered:
-        raise ValueError(f"{setting(name, value)} ({type(value).__name__}) is not valid: use one of "
-                         f"{', '.join(map(value_text, registered))} ({own} of your own: {register} first).")
+        error = UnregisteredVariant if isinstance(value, str) else ValueError
+        raise error(f"{setting(name, value)} ({type(value).__name__}) is not valid: use one of "
+                    f"{', '.join(map(value_text, registered))} ({own} of your own: {register} first).")

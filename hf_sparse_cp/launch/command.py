@@ -20,12 +20,17 @@ import yaml
 from transformers import HfArgumentParser
 
 from hf_sparse_cp.config.files import did_you_mean
+from hf_sparse_cp.config.registries import UnregisteredVariant
 from hf_sparse_cp.trainer.arguments import explicit_fields, help_groups
 from hf_sparse_cp.trainer.plugin_arguments import COMMON_FLAGS, PluginArguments, parsing_for_cpu, parsing_typed_flags
 
 from .known_scripts import source_words, training_flags
 
 PROG = "python -m hf_sparse_cp.run"
+
+# What a variant nobody registered among the flags before the script's path is told: they parse before the script runs.
+BEFORE_THE_SCRIPT = (" (The flags before the script's path are read before the script runs: a config file naming a "
+                     "variant the script registers goes after its path, where the script's parser reads it.)")
 
 
 class _Refused(Exception):
@@ -69,7 +74,8 @@ def parse_plugin_flags(flags: Sequence[str], *, prog: str | None = None, usage: 
         with parsing_typed_flags(explicit):
             plugin = PluginArguments(**vars(common), **vars(other))
     except (OSError, ValueError) as e:  # (a --sparse_config / --smet_config file that is not there names it)
-        parser.error(f"{e}{did_you_mean(parser, parser.parse_known_args(list(flags))[1])}")
+        late = BEFORE_THE_SCRIPT if isinstance(e, UnregisteredVariant) else ""
+        parser.error(f"{e}{late}{did_you_mean(parser, parser.parse_known_args(list(flags))[1])}")
     return plugin
 
 

@@ -1501,3 +1501,32 @@ def test_the_launchers_device_flags_parse_as_the_training_arguments_flags():
 
     assert options(DeviceFlags) == options(TrainingArguments) == options(SFTConfig)
     assert len(options(DeviceFlags)) == 2
+
+
+def test_a_config_file_naming_a_variant_the_script_registers_is_read_after_the_script_path(
+        started, monkeypatch, tmp_path, capsys):
+    """A plug-in's variant (here a SMET mode) is registered by the script, which the launcher does not run: a config
+    file naming it among the script's arguments, which each process's parser reads once the script's imports ran,
+    was refused by the launcher as a mode nobody registered, so no launch could use it (#50). The launcher leaves
+    it to the processes; before the script's path, where every process reads it before the script runs too, it is
+    refused naming where it goes."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(processes, "accelerator_count", lambda: 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "smet.yaml").write_text("mode: own_mode\ndensity: 0.5\n")
+    (tmp_path / "sparse.yaml").write_text("budget_mode: own_budget\n")
+    for config in (["--smet", "--smet_config", "smet.yaml"], ["--sparse_config", "sparse.yaml"]):
+        assert cli.main(["launch", "--nproc", "2", "train.py", *config, "--use_cpu"]) == 0
+        assert started[-1][-len(config) - 2:] == ["train.py", *config, "--use_cpu"]
+    err = _refused(capsys, ["launch", "--nproc", "2", "--smet", "--smet_config", "smet.yaml", "train.py"], cli.main)
+    assert ("mode='own_mode' (str) is not valid: use one of 'sparse_weights', 'sparse_update' (a mode of your own: "
+            "hf_sparse_cp.smet.register_smet_mode(instance) first). (The flags before the script's path are read "
+            "before the script runs: a config file naming a variant the script registers goes after its path") in err
+    # a value of the wrong kind is no variant's name: refused before any process starts, as before
+    (tmp_path / "smet.yaml").write_text("mode: [own_mode]\n")
+    err = _refused(capsys, ["launch", "--nproc", "2", "train.py", "--smet", "--smet_config", "smet.yaml"], cli.main)
+    assert "mode=['own_mode'] (list) is not valid" in err and "script's path" not in err
