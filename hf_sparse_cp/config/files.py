@@ -115,13 +115,18 @@ def check_field_types(config: Any, names: Collection[str] | None = None) -> None
     by name instead of failing later in a comparison, or being used as something else: text such as
     "false" in a boolean field would be true. `HfArgumentParser` already converts command-line text to
     the annotated types, so flags always pass.
+
+    A field the class names in `REGISTERED_FIELDS` (a class attribute) names a registered variant: its Literal lists
+    the built-in ones, the flag's choices, while any registered one is valid, so text there is left to the class,
+    which checks it against its registry (`registries.check_registered`, naming how to register one).
     """
     types_ = _field_types(type(config))
+    registered = getattr(type(config), "REGISTERED_FIELDS", ())
     for f in dataclasses.fields(config):
         if names is not None and f.name not in names:
             continue
         value, annotation = getattr(config, f.name), types_[f.name]
-        if _matches(value, annotation):
+        if _matches(value, annotation) or (f.name in registered and isinstance(value, str)):
             continue
         fix = f"use {_describe(annotation)}"
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

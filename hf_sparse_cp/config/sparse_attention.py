@@ -89,6 +89,8 @@ class SparseAttentionConfig(FileConfig):
     FILE_SECTION: ClassVar[str] = "sparse_attention"
     KIND: ClassVar[str] = "sparse attention"
     COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("budget_mode", "block_size", "min_seq_len")
+    # (its Literal lists the built-in engines for the flag; any registered engine is valid: `_check_engine`)
+    REGISTERED_FIELDS: ClassVar[tuple[str, ...]] = ("attention_engine",)
 
     pattern: Literal["vertical_slash", "dense"] = field(
         default="vertical_slash",
@@ -170,9 +172,7 @@ class SparseAttentionConfig(FileConfig):
 
     def __post_init__(self) -> None:
         self.layer_overrides = parsed_overrides(self.layer_overrides)
-        # (pattern too: its Literal lists the allowed values; attention_engine's lists the built-in engines for the
-        # flag, and any registered engine is valid here: `_check_engine`)
-        check_field_types(self, [f.name for f in dataclasses.fields(self) if f.name != "attention_engine"])
+        check_field_types(self)  # (pattern too: its Literal lists the allowed values)
         self._check_engine()
         check_block_size(self.block_size)
         for name in ("sink_tokens", "dense_first_layers", "min_seq_len"):

@@ -26,6 +26,8 @@ class ContextParallelConfig(KnownKeywords):
 
     KIND: ClassVar[str] = "context parallel"
     COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("cp_size", "cp_mode", "cp_sharding")
+    # (its Literal lists the built-in modes for the flag; any registered mode is valid: `_check_mode`)
+    REGISTERED_FIELDS: ClassVar[tuple[str, ...]] = ("cp_mode",)
     # The document planner's weights: read only under --cp_sharding document (`plans_documents`).
     PLANNER_FIELDS: ClassVar[tuple[str, ...]] = ("cp_planner_linear_per_token", "cp_planner_comm_per_token",
                                                  "cp_planner_max_token_ratio")
@@ -91,7 +93,7 @@ class ContextParallelConfig(KnownKeywords):
     def __post_init__(self) -> None:
         # (cp_sharding and cp_ring too: their Literal lists the allowed values; cp_mode's lists the built-in modes for
         # the flag, and any registered mode is valid here: `_check_mode`)
-        check_field_types(self, [f.name for f in fields(self) if f.name != "cp_mode"])
+        check_field_types(self)
         if self.cp_size < 1:
             raise ValueError(f"cp_size={self.cp_size} must be >= 1 (1 disables context parallelism).")
         if self.cp_node_size is not None and self.cp_node_size < 1:

@@ -7,7 +7,6 @@ through YAML or JSON, and invalid values raise a `ValueError` that says how to f
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -44,6 +43,8 @@ class SMETConfig(FileConfig):
     FILE_SECTION: ClassVar[str] = "smet"
     KIND: ClassVar[str] = "SMET"
     COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("density",)
+    # (its Literal lists the built-in modes for the flag; any registered mode is valid: `check_values`)
+    REGISTERED_FIELDS: ClassVar[tuple[str, ...]] = ("mode",)
 
     mode: Literal[SMET_MODES] = field(
         default="sparse_weights",
@@ -114,9 +115,7 @@ class SMETConfig(FileConfig):
 
     def __post_init__(self) -> None:
         self.target_modules = module_names(self.target_modules)
-        # (regrowth too: its Literal lists the allowed values; mode's lists the built-in modes for the flag, and any
-        # registered mode is valid here: `check_values`)
-        check_field_types(self, [f.name for f in dataclasses.fields(self) if f.name != "mode"])
+        check_field_types(self)  # (regrowth too: its Literal lists the allowed values)
         check_values(self)
 
     @property

@@ -334,12 +334,17 @@ SparseAttentionFlags = dataclasses.make_dataclass(
     namespace={"__doc__": "The sparse pattern as flags: `--sparse_<key>` for every flat key of "
                "`SparseAttentionConfig` (e.g. `--sparse_vertical_topk 1024 --sparse_block_size 64`); `to_config()` "
                "gives the config.", "__module__": __name__,
+               # (checked against their registries as the flags make up the config: `to_config`)
+               "REGISTERED_FIELDS": (PATTERN_PREFIX + "budget_mode", *(PATTERN_PREFIX + name for name in
+                                                                        SparseAttentionConfig.REGISTERED_FIELDS)),
                "COMMON_FLAGS": tuple(PATTERN_PREFIX + name for cls in (SparseAttentionConfig, *map(budget_class,
                                                                                                  builtin_budget_modes()))
                                      for name in cls.COMMON_FLAGS)})
 SMETFlags = dataclasses.make_dataclass("SMETFlags", copied_fields(SMETConfig, FLAG_PREFIX), bases=(KnownKeywords,),
                                        namespace={"KIND": "SMET flag", "COMMON_FLAGS": tuple(
-                                           FLAG_PREFIX + name for name in SMETConfig.COMMON_FLAGS)})
+                                           FLAG_PREFIX + name for name in SMETConfig.COMMON_FLAGS),
+                                           "REGISTERED_FIELDS": tuple(
+                                           FLAG_PREFIX + name for name in SMETConfig.REGISTERED_FIELDS)})
 SMETFlags.__module__ = __name__
 
 

@@ -338,6 +338,8 @@ def class_namespace(fields: list[tuple[str, Any, dataclasses.Field]], **extra: A
     class is generated elsewhere)."""
     names = {name for name, _, f in fields if f.init}
     return {"__module__": __name__, "_sparse_fields": frozenset(names),
+            # (a registered variant's name, checked by its part: see `check_field_types`)
+            "REGISTERED_FIELDS": tuple(name for part in _PARTS for name in getattr(part, "REGISTERED_FIELDS", ())),
             "_length_field": LENGTH_FIELD if LENGTH_FIELD in names else "max_length", **extra}
 
 
