@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from .config import SMETConfig
 from .dtensor import like_param, local, local_rows_of
 from .masks import BlockGrid
+from .modes.base import checked_scores
 from .topology import initial_blocks, prune_rate, prune_slots, regrow
 
 logger = logging.getLogger(__name__)
@@ -178,8 +179,10 @@ class SMETAdam(torch.optim.Optimizer):
     def _new_sparse_state(self, param: torch.Tensor, grid: BlockGrid, key: int) -> dict[str, torch.Tensor]:
         weights = local(param)
         mode = self.config.registered_mode
-        index = initial_blocks(grid.global_block_ids(weights.device), grid.k, self.config.seed, key,
-                               mode.initial_scores(grid, weights))
+        scores = mode.initial_scores(grid, weights)
+        if scores is not None:
+            scores = checked_scores(mode, "initial_scores", scores, (grid.rows, grid.blocks_per_row))
+        index = initial_blocks(grid.global_block_ids(weights.device), grid.k, self.config.seed, key, scores)
         shape = (grid.rows, grid.k, grid.block_size)
         state = {
             "step": torch.tensor(0.0),
@@ -388,7 +391,7 @@ class SMETAdam(torch.optim.Optimizer):
             return 0
         index = state["block_index"]
         weights = local(param)
-        scores = mode.prune_scores(grid, weights, state)
+        scores = checked_scores(mode, "prune_scores", mode.prune_scores(grid, weights, state), tuple(index.shape))
         device = weights.device
         pruned = prune_slots(scores, rate, grid.global_row_ids(device), cfg.seed, key, step)
         if mode.zeroes_inactive_weights:

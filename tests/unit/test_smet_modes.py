@@ -144,3 +144,44 @@ def test_a_resume_of_a_checkpoint_of_a_registered_mode_is_told_how_to_name_it(re
     assert (config.mode, config.density, config.block_size) == ("random_start", 0.5, 8)
     builtin = _smet_flags({"mode": "sparse_update", "density": 0.5, "block_size": 8})
     assert "--smet --smet_mode sparse_update --smet_density 0.5 --smet_block_size 8" in builtin
+
+
+class _ScoresOfOneRow(RandomStartMode):
+    name = "scores_of_one_row"
+
+    def prune_scores(self, grid, weights, state):
+        return state["moved"][0]  # (a row's, not every row's)
+
+
+class _ListOfScores(RandomStartMode):
+    name = "list_of_scores"
+
+    def initial_scores(self, grid, weights):
+        return weights.abs().tolist()
+
+
+def test_what_a_mode_returns_or_declares_wrongly_is_refused_naming_the_mode_and_the_fix(registry):
+    """A plug-in's scores of the wrong kind ended deep in the optimizer ('list' object has no attribute 'shape', an
+    unpacking ValueError), a slot_state dtype as text in torch.zeros (#50): each is refused naming the mode, the
+    method and what it must return."""
+    for mode, refused in ((_ScoresOfOneRow(), r"SMET mode 'scores_of_one_row' \(_ScoresOfOneRow.prune_scores\) "
+                                              r"returned a torch.float64 tensor of shape \[2\]: it must return a real "
+                                              r"tensor of shape \[16, 2\]"),
+                          (_ListOfScores(), r"'list_of_scores' \(_ListOfScores.initial_scores\) returned list: it must "
+                                            r"return a real tensor of shape \[16, 8\] .*or None for random blocks")):
+        register_smet_mode(mode)
+        model = OneMatrix()
+        with pytest.raises(TypeError, match=refused):
+            opt = create_smet_optimizer(model, torch.optim.AdamW, SMETConfig(
+                mode=mode.name, density=0.25, block_size=BLOCK, update_interval=2), lr=1e-2)
+            for _ in range(2):
+                model.q_proj.weight.grad = torch.ones(ROWS, COLS)
+                opt.step()
+
+    class TextDtype(RandomStartMode):
+        name = "text_dtype"
+        slot_state = {"moved": "float64"}
+
+    with pytest.raises(TypeError, match=r"slot_state \{'moved': 'float64'\}: it maps each state's name to a "
+                                        r"torch.dtype"):
+        register_smet_mode(TextDtype())

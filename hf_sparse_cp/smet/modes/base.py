@@ -66,6 +66,22 @@ class SMETMode(ABC):
         return None
 
 
+def checked_scores(mode: SMETMode, method: str, scores: object, shape: tuple[int, int]) -> torch.Tensor:
+    """`scores`, what `mode.method` returned, where it is a real-valued tensor of `shape` ([rows, blocks_per_row] from
+    `initial_scores`, [rows, k] from `prune_scores`); else TypeError naming the mode, the method and what it must
+    return (a plug-in's mistake otherwise ended deep in the optimizer: an IndexError, 'list' has no attribute
+    'shape')."""
+    if isinstance(scores, torch.Tensor) and tuple(scores.shape) == tuple(shape) and not scores.is_complex():
+        return scores
+    got = (f"a {scores.dtype} tensor of shape {list(scores.shape)}" if isinstance(scores, torch.Tensor)
+           else type(scores).__name__)
+    raise TypeError(f"SMET mode {mode.name!r} ({type(mode).__qualname__}.{method}) returned {got}: it must return a "
+                    f"real tensor of shape {list(shape)} (one score per row and "
+                    f"{'block' if method == 'initial_scores' else 'active block'}: the grid's rows x "
+                    f"{'blocks_per_row' if method == 'initial_scores' else 'k'})"
+                    f"{', or None for random blocks' if method == 'initial_scores' else ''}.")
+
+
 _MODES: dict[str, SMETMode] = {}
 
 
@@ -85,6 +101,10 @@ def register_smet_mode(mode: SMETMode) -> SMETMode:
         rules = ", ".join(map(repr, REGROWTH_RULES))
         raise ValueError(f"SMET mode {name!r} has regrowth={getattr(mode, 'regrowth', None)!r} (the rule it takes "
                          f"when SMETConfig.regrowth is unset): set it to one of {rules}.")
+    wrong = {key: dtype for key, dtype in dict(mode.slot_state).items() if not isinstance(dtype, torch.dtype)}
+    if wrong:
+        raise TypeError(f"SMET mode {name!r} has slot_state {wrong!r}: it maps each state's name to a torch.dtype "
+                        "(e.g. {'moved': torch.float32}).")
     register_in(_MODES, name, mode, "SMET mode")
     return mode
 
