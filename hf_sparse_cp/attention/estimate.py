@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -153,6 +153,21 @@ def _mark(keep: torch.Tensor, kept: torch.Tensor, positions: torch.Tensor) -> No
 _OWN_MODULES = "hf_sparse_cp."
 
 
+def _check_selection(budget, selection: Any, columns: Entries, diagonals: Entries) -> None:
+    """Raise TypeError, naming the fix, unless a budget mode's `select` returned (columns, diagonals): bool masks of
+    its entries' shapes (else it ended in the marking, 'Index tensor must have the same number of dimensions')."""
+    wants = [list(columns.scores.shape), list(diagonals.scores.shape)]
+    pair = isinstance(selection, (tuple, list)) and len(selection) == 2
+    if pair and all(isinstance(m, torch.Tensor) and m.dtype == torch.bool and list(m.shape) == want
+                    for m, want in zip(selection, wants)):
+        return
+    got = [f"{m.dtype} {list(m.shape)}" if isinstance(m, torch.Tensor) else type(m).__name__
+           for m in (selection if pair else [selection])]
+    raise TypeError(f"budget mode {budget.mode!r} ({type(budget).__qualname__}.select) returned {', '.join(got)}: it "
+                    f"must return (kept columns, kept diagonals), two bool tensors of the shapes of the scores it was "
+                    f"given ({wants[0]} and {wants[1]}: heads x entries).")
+
+
 def _check_most_kept(budget, cols: torch.Tensor, diags: torch.Tensor) -> None:
     """Raise ValueError, naming the fix, where a budget mode's `select` kept more entries of a kind for one head than
     its `most_kept` says it keeps: under context parallelism each rank offers only that many of its best (`offered`),
@@ -175,9 +190,11 @@ def select_into(keep_v: torch.Tensor, keep_s: torch.Tensor, cfg: SparseAttention
     """The budget stage of one segment: mark what `cfg.budget` keeps of its scored columns and diagonals
     (whole rows, or the candidates every rank offered) and its anchors in its set's keep_v, keep_s [H, S]."""
     budget = cfg.budget
-    cols, diags = budget.select(columns, diagonals, sg.start, sg.q_hi, sg.scored_end, cfg.block_size)
+    selection = budget.select(columns, diagonals, sg.start, sg.q_hi, sg.scored_end, cfg.block_size)
     if not type(budget).__module__.startswith(_OWN_MODULES):  # (a host read: a plug-in's budget only)
-        _check_most_kept(budget, cols, diags)
+        _check_selection(budget, selection, columns, diagonals)
+        _check_most_kept(budget, *selection)
+    cols, diags = selection
     _mark(keep_v, cols, columns.ids)
     _mark(keep_s, diags, sg.start + diagonals.ids * budget.diagonal_step(cfg.block_size))
     keep_anchors(keep_v, keep_s, sg.start, sg.q_hi, cfg)

@@ -304,3 +304,44 @@ def test_a_registered_modes_fields_are_no_flags_whatever_was_imported_first(monk
     assert "above_own_share" not in str(mode_flag) and "'mass'" in str(mode_flag)
     assert sections.builtin_budget_modes() == ("topk", "topp", "mass")
     assert SparseAttentionConfig.from_dict({"budget_mode": "above_own_share", "share": 0.25}).budget.share == 0.25
+
+
+@dataclasses.dataclass
+class _OneMask(_AboveShare):
+    """A selection of columns alone, not the (columns, diagonals) pair."""
+
+    mode = "one_mask"
+
+    def select(self, columns, diagonals, start, end, scored_end, block_size):
+        return columns.scores > 0
+
+
+@dataclasses.dataclass
+class _Scores(_AboveShare):
+    """The scores themselves, not bool masks."""
+
+    mode = "scores"
+
+    def select(self, columns, diagonals, start, end, scored_end, block_size):
+        return columns.scores, diagonals.scores
+
+
+def test_a_selection_of_the_wrong_kind_is_refused_naming_the_mode_and_what_select_returns(monkeypatch):
+    """A plug-in's `select` returning one mask, or scores, ended in the marking of the layout ('Index tensor must have
+    the same number of dimensions as self tensor', 'where expected condition to be a boolean tensor', #50)."""
+    from hf_sparse_cp.attention.sequence import sequence_attention
+    from hf_sparse_cp.attention.tokens import TokenMeta
+    from hf_sparse_cp.config import sections
+
+    monkeypatch.setattr(sections, "_BUDGETS", dict(sections._registered()))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 150, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    meta = TokenMeta.from_segments(torch.zeros(1, 150, dtype=torch.int32))
+    for cls, got in ((_OneMask, r"returned torch.bool \[2, 150\]: "), (_Scores, r"returned torch.float64 \[2, 150\], "
+                                                                                r"torch.float64 \[2, 150\]: ")):
+        sections.register_budget(cls)
+        cfg = SparseAttentionConfig(budget=cls(), block_size=BS, min_seq_len=0, sink_tokens=2, local_window=4,
+                                    last_q=16, attention_engine="reference")
+        with pytest.raises(TypeError, match=rf"budget mode '{cls.mode}' \({cls.__qualname__}.select\) {got}it must "
+                                            r"return \(kept columns, kept diagonals\), two bool tensors"):
+            sequence_attention(q, k, v, meta, cfg)
