@@ -37,7 +37,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -85,7 +85,7 @@ class Engine:
     def forward(self, call: AttentionCall, out=None, lse=None, out_in_input_dtype: bool = False):
         """(out, lse) of `call` (`part`), merged with a running `out` and `lse` when given (`merge_attention`), its
         out in q's dtype with `out_in_input_dtype`."""
-        part = self.part(call)
+        part = _returned(self, "part", self.part(call), [call.q.shape, call.q.shape[:-1]], "(out, lse)")
         if out is not None:
             return merge_attention(out, lse, *part)
         return (part[0].to(call.q.dtype), part[1]) if out_in_input_dtype else part
@@ -95,7 +95,8 @@ class Engine:
         """(dq, dk, dv) of `call` (`part_grads`) from the queries' final `out` and `lse`, in the inputs' dtypes with
         `grads_in_input_dtype`; `deterministic` matters to an engine with a faster nondeterministic backward (the
         kernels): this one ignores it."""
-        grads = self.part_grads(call, out, lse, dout, dlse)
+        grads = _returned(self, "part_grads", self.part_grads(call, out, lse, dout, dlse),
+                          [x.shape for x in call[:3]], "(dq, dk, dv)")
         return tuple(g.to(x.dtype) for g, x in zip(grads, call[:3])) if grads_in_input_dtype else grads
 
     def part(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,6 +106,19 @@ class Engine:
     def part_grads(self, call: AttentionCall, out, lse, dout, dlse) -> tuple[torch.Tensor, ...]:
         """(dq, dk, dv) of the call, in the compute dtype."""
         raise NotImplementedError
+
+
+def _returned(engine: Engine, method: str, result: Any, shapes: list[torch.Size], what: str) -> Any:
+    """`result`, what `engine.method` returned, where it is a tuple of tensors of `shapes` (`what` names them); else
+    TypeError naming the engine, the method and what it must return (a plug-in's mistake otherwise ended in the
+    merge or the autograd function: 'NoneType' object is not subscriptable)."""
+    if (isinstance(result, (tuple, list)) and len(result) == len(shapes)
+            and all(isinstance(t, torch.Tensor) and t.shape == shape for t, shape in zip(result, shapes))):
+        return result
+    got = (", ".join(f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__ for t in result)
+           if isinstance(result, (tuple, list)) else type(result).__name__)
+    raise TypeError(f"attention engine {engine.name!r} ({type(engine).__qualname__}.{method}) returned {got}: it must "
+                    f"return {what}, tensors of shapes {', '.join(str(list(s)) for s in shapes)}.")
 
 
 def kernel_split(layout: SparseLayout, q_meta: TokenMeta, k_meta: TokenMeta, window: int | None):

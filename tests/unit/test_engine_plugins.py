@@ -95,3 +95,31 @@ def test_the_registry_refuses_what_it_cannot_run(registry, engine, error, messag
     with pytest.raises(error, match=message):
         register_engine(engine)
     assert list(registry) == ["triton", "flex", "reference", "masked"]
+
+
+class _OutAlone(CountingEngine):
+    name = "out_alone"
+
+    def part(self, call):
+        return reference_forward(call)[0]
+
+
+class _TwoGradients(CountingEngine):
+    name = "two_gradients"
+
+    def part_grads(self, call, out, lse, dout, dlse):
+        return reference_backward(call, out, lse, dout, dlse)[:2]
+
+
+@pytest.mark.parametrize("engine, message", [
+    (_OutAlone(), r"attention engine 'out_alone' \(_OutAlone.part\) returned Tensor: it must return \(out, lse\), "
+                  r"tensors of shapes \[1, 2, 150, 16\], \[1, 2, 150\]"),
+    (_TwoGradients(), r"attention engine 'two_gradients' \(_TwoGradients.part_grads\) returned torch.float64 "
+                      r"\[1, 2, 150, 16\], torch.float64 \[1, 2, 150, 16\]: it must return \(dq, dk, dv\)"),
+])
+def test_what_an_engine_returns_wrongly_is_refused_naming_it_and_what_it_must_return(registry, engine, message):
+    """A plug-in's part or part_grads of the wrong kind ended in the merge or autograd ('NoneType' object is not
+    subscriptable, a tuple unpacked short, #50)."""
+    register_engine(engine)
+    with pytest.raises(TypeError, match=message):
+        _attention(engine.name)
