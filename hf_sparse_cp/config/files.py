@@ -105,6 +105,13 @@ def _describe(annotation: Any) -> str:
     return words.get(annotation, getattr(annotation, "__name__", str(annotation)))
 
 
+class UnregisteredVariant(ValueError):
+    """A setting names a variant (a budget mode, a CP mode, an attention engine, a SMET mode) that nobody registered
+    in this process (`registries.check_registered`), kept as such through a config file's wrapping (`from_section`).
+    A launcher that checks a script's flags before the script runs (and registers its plug-ins) leaves such a setting
+    to the script's processes."""
+
+
 def check_field_types(config: Any, names: Collection[str] | None = None) -> None:
     """Raise a ValueError naming the field, its value and what to write instead for the first field of
     the dataclass instance `config` (of those in `names`, default every field) whose value does not
@@ -364,8 +371,6 @@ class FileConfig(KnownKeywords):
         try:
             return cls.from_dict(dict(value))
         except (TypeError, ValueError) as e:
-            from .registries import UnregisteredVariant  # (it imports this module)
-
             # (a variant nobody registered yet stays one: a launcher leaves it to the script, which may register it)
             raise (UnregisteredVariant if isinstance(e, UnregisteredVariant) else ValueError)(f"{where}: {e}") from None
 

@@ -10,7 +10,7 @@ import importlib
 from collections.abc import Collection
 from typing import Any
 
-from .files import setting, value_text
+from .files import UnregisteredVariant, setting, value_text
 
 # name -> engine (an `hf_sparse_cp.attention.engines.Engine`), in the order 'auto' walks them
 ENGINES: dict[str, Any] = {}
@@ -40,12 +40,6 @@ def register_in(registry: dict[str, Any], name: str, entry: Any, kind: str, attr
         raise ValueError(f"{kind} {name!r} is already registered ({qualified_name(class_of(held))}); give "
                          f"{class_of(entry).__qualname__} another `{attribute}`.")
     registry[name] = entry
-
-
-class UnregisteredVariant(ValueError):
-    """A setting names a variant (a budget mode, a CP mode, an attention engine, a SMET mode) that nobody registered
-    in this process (`check_registered`). A launcher that checks a script's flags before the script runs (and
-    registers its plug-ins) leaves such a setting to the script's processes."""
 
 
 def check_registered(name: str, value: Any, registered: Collection[str], own: str, register: str) -> None:
