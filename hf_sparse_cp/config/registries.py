@@ -1,13 +1,15 @@
 """The registries of the variants a user can add (plug-ins): the one rule by which an entry joins a registry
-(`register_in`) and the one by which a setting that names an entry is checked (`check_registered`), and the attention
+(`register_in`), the one by which a setting that names an entry is checked (`check_registered`), a registry of
+named instances (`NamedInstances`: the CP modes', the SMET modes'), and the attention
 engines' registry, which `hf_sparse_cp.attention.engines` fills (its built-in engines, then any `register_engine`
 adds), kept here so that a config checks its attention_engine against it without importing the engines, which import
-the config. (The budget modes' registry is in `sections.py`, the CP modes' in `hf_sparse_cp.distributed.modes.base`.)"""
+the config. (The budget modes' registry is in `sections.py`, the CP modes' in `hf_sparse_cp.distributed.modes.base`, the
+SMET modes' in `hf_sparse_cp.smet.modes.base`.)"""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from .files import UnregisteredVariant, setting, value_text
@@ -52,3 +54,51 @@ def check_registered(name: str, value: Any, registered: Collection[str], own: st
         error = UnregisteredVariant if isinstance(value, str) else ValueError
         raise error(f"{setting(name, value)} ({type(value).__name__}) is not valid: use one of "
                     f"{', '.join(map(value_text, registered))} ({own} of your own: {register} first).")
+
+
+class NamedInstances:
+    """A registry of plug-in instances by their `name` (the CP modes, the SMET modes), in registration order:
+    `register` takes an instance of `base` with a name (`register_in`'s rule for a name already held), `named` gives
+    the one a setting names, refusing an unknown name with the registered ones.
+
+    Args:
+        base: the class every entry subclasses; `public`: where users import it ('hf_sparse_cp.smet.SMETMode').
+        kind: what the registry holds, as its setting says it ('cp_mode', 'SMET mode').
+        selects: the setting whose value selects an entry ('the --cp_mode value').
+        register: the registering function's public name ('hf_sparse_cp.smet.register_smet_mode').
+        duties: what a subclass must do besides its name ('its `help`, implement its abstract methods').
+        check: what else an entry must hold, checked once it has a name (raises naming the fix), or None.
+    """
+
+    def __init__(self, base: type, public: str, kind: str, selects: str, register: str, duties: str,
+                 check: Callable[[Any], None] | None = None) -> None:
+        self._entries: dict[str, Any] = {}
+        self.base, self.public, self.kind, self.selects, self.register_name, self.duties, self.check = (
+            base, public, kind, selects, register, duties, check)
+
+    def register(self, entry: Any) -> Any:
+        """Add `entry` (see the class); returns it."""
+        cls = self.base.__name__
+        if not isinstance(entry, self.base):
+            raise TypeError(f"{self.register_name.rsplit('.', 1)[-1]} takes an instance of a {cls} subclass "
+                            f"({self.public}), not {type(entry).__name__} {entry!r}: subclass {cls}, set its `name`, "
+                            f"{self.duties}, and register an instance.")
+        name = getattr(entry, "name", None)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{type(entry).__name__} has no `name` (a class attribute, {self.selects} that selects "
+                             "it): set one before registering it.")
+        if self.check is not None:
+            self.check(entry)
+        register_in(self._entries, name, entry, self.kind)
+        return entry
+
+    def named(self, name: str) -> Any:
+        """The entry registered as `name`; ValueError naming the registered ones otherwise."""
+        if not isinstance(name, str) or name not in self._entries:  # (a list: `in` a TypeError, unhashable)
+            raise ValueError(f"{self.kind}={name!r} is unknown; use one of {', '.join(map(repr, self._entries))} (a "
+                             f"mode of your own: {self.register_name}(instance) first).")
+        return self._entries[name]
+
+    def entries(self) -> tuple[Any, ...]:
+        """Every entry, in registration order."""
+        return tuple(self._entries.values())

@@ -195,7 +195,7 @@ def test_a_registered_cp_mode_is_selectable_and_runs_as_itself(monkeypatch):
     class MyRing(RingMode):
         name, help = "my_ring", "a plug-in ring"
 
-    monkeypatch.setattr(base, "_MODES", dict(base._MODES))
+    monkeypatch.setattr(base._MODES, "_entries", dict(base._MODES._entries))
     mine = register_cp_mode(MyRing())
     assert register_cp_mode(mine) is mine  # (the same mode again: nothing changes)
     config = ContextParallelConfig(cp_size=2, cp_mode="my_ring")

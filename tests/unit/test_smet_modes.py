@@ -51,7 +51,7 @@ class OneMatrix(nn.Module):
 @pytest.fixture
 def registry(monkeypatch):
     """The modes' registry, left as it was found."""
-    monkeypatch.setattr(smet_mode_registry.base, "_MODES", dict(smet_mode_registry.base._MODES))
+    monkeypatch.setattr(smet_mode_registry.base._MODES, "_entries", dict(smet_mode_registry.base._MODES._entries))
 
 
 def _blocks(weight: torch.Tensor) -> torch.Tensor:

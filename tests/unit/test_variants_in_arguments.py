@@ -67,8 +67,8 @@ class OwnSMETMode(SMETMode):
 def registered(monkeypatch):
     """One variant of each kind registered, every registry left as it was found."""
     monkeypatch.setattr(sections, "_BUDGETS", dict(sections._registered()))
-    monkeypatch.setattr(cp_mode_registry, "_MODES", dict(cp_mode_registry._MODES))
-    monkeypatch.setattr(smet_mode_registry, "_MODES", dict(smet_mode_registry._MODES))
+    monkeypatch.setattr(cp_mode_registry._MODES, "_entries", dict(cp_mode_registry._MODES._entries))
+    monkeypatch.setattr(smet_mode_registry._MODES, "_entries", dict(smet_mode_registry._MODES._entries))
     saved = dict(ENGINES)
     sections.register_budget(OwnBudget)
     register_engine(OwnEngine())

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import torch
 
 from ...config.files import flag_setting
-from ...config.registries import register_in
+from ...config.registries import NamedInstances
 
 if TYPE_CHECKING:
     from ...attention.layout import SparseLayout
@@ -109,36 +109,25 @@ class CPMode(ABC):
         """How the CP group of `parallel` shares attention, in words (the start-up line, the model card)."""
 
 
-_MODES: dict[str, CPMode] = {}
+_MODES = NamedInstances(CPMode, "hf_sparse_cp.distributed.CPMode", "cp_mode", "the --cp_mode value",
+                        "hf_sparse_cp.distributed.register_cp_mode", "its `help`, implement its abstract methods")
 
 
 def register_cp_mode(mode: CPMode) -> CPMode:
     """Make `mode` (an instance of a `CPMode` subclass) selectable as `ContextParallelConfig(cp_mode=mode.name)`.
     A name registered to a mode of another class is refused: the built-in modes, and a plug-in's, cannot be replaced
     by accident (a class redefined under its name, a notebook's cell run again, replaces its earlier instance)."""
-    if not isinstance(mode, CPMode):
-        raise TypeError(f"register_cp_mode takes an instance of a CPMode subclass (hf_sparse_cp.distributed.CPMode), "
-                        f"not {type(mode).__name__} {mode!r}: subclass CPMode, set its `name` and `help`, implement "
-                        "its abstract methods, and register an instance.")
-    name = getattr(mode, "name", None)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{type(mode).__name__} has no `name` (a class attribute, the --cp_mode value that selects "
-                         "it): set one before registering it.")
-    register_in(_MODES, name, mode, "cp_mode")
-    return mode
+    return _MODES.register(mode)
 
 
 def cp_mode_named(name: str) -> CPMode:
     """The registered mode called `name`; ValueError naming the modes otherwise."""
-    if not isinstance(name, str) or name not in _MODES:  # (a list: `in` a TypeError, unhashable)
-        raise ValueError(f"cp_mode={name!r} is unknown; use one of {', '.join(map(repr, _MODES))} (a mode of your "
-                         "own: register_cp_mode(instance) first).")
-    return _MODES[name]
+    return _MODES.named(name)
 
 
 def cp_modes() -> tuple[CPMode, ...]:
     """Every registered mode, in registration order."""
-    return tuple(_MODES.values())
+    return _MODES.entries()
 
 
 def context_parallel_attention(

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ...config.registries import register_in
+from ...config.registries import NamedInstances
 
 if TYPE_CHECKING:
     from ..masks import BlockGrid
@@ -82,41 +82,35 @@ def checked_scores(mode: SMETMode, method: str, scores: object, shape: tuple[int
                     f"{', or None for random blocks' if method == 'initial_scores' else ''}.")
 
 
-_MODES: dict[str, SMETMode] = {}
+def _check_mode(mode: SMETMode) -> None:
+    """What a SMET mode holds besides its name: a regrowth rule, torch dtypes for its per-block state."""
+    if getattr(mode, "regrowth", None) not in REGROWTH_RULES:
+        rules = ", ".join(map(repr, REGROWTH_RULES))
+        raise ValueError(f"SMET mode {mode.name!r} has regrowth={getattr(mode, 'regrowth', None)!r} (the rule it "
+                         f"takes when SMETConfig.regrowth is unset): set it to one of {rules}.")
+    wrong = {key: dtype for key, dtype in dict(mode.slot_state).items() if not isinstance(dtype, torch.dtype)}
+    if wrong:
+        raise TypeError(f"SMET mode {mode.name!r} has slot_state {wrong!r}: it maps each state's name to a "
+                        "torch.dtype (e.g. {'moved': torch.float32}).")
+
+
+_MODES = NamedInstances(SMETMode, "hf_sparse_cp.smet.SMETMode", "SMET mode", "the SMETConfig.mode value",
+                        "hf_sparse_cp.smet.register_smet_mode",
+                        "`help` and `regrowth`, implement initial_scores and prune_scores", check=_check_mode)
 
 
 def register_smet_mode(mode: SMETMode) -> SMETMode:
     """Make `mode` (an instance of a `SMETMode` subclass) selectable as `SMETConfig(mode=mode.name)`. A name
     registered to a mode of another class is refused: the built-in modes, and a plug-in's, cannot be replaced by
     accident (a class redefined under its name, a notebook's cell run again, replaces its earlier instance)."""
-    if not isinstance(mode, SMETMode):
-        raise TypeError(f"register_smet_mode takes an instance of a SMETMode subclass (hf_sparse_cp.smet.SMETMode), "
-                        f"not {type(mode).__name__} {mode!r}: subclass SMETMode, set its `name`, `help` and "
-                        "`regrowth`, implement initial_scores and prune_scores, and register an instance.")
-    name = getattr(mode, "name", None)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{type(mode).__name__} has no `name` (a class attribute, the SMETConfig.mode value that "
-                         "selects it): set one before registering it.")
-    if getattr(mode, "regrowth", None) not in REGROWTH_RULES:
-        rules = ", ".join(map(repr, REGROWTH_RULES))
-        raise ValueError(f"SMET mode {name!r} has regrowth={getattr(mode, 'regrowth', None)!r} (the rule it takes "
-                         f"when SMETConfig.regrowth is unset): set it to one of {rules}.")
-    wrong = {key: dtype for key, dtype in dict(mode.slot_state).items() if not isinstance(dtype, torch.dtype)}
-    if wrong:
-        raise TypeError(f"SMET mode {name!r} has slot_state {wrong!r}: it maps each state's name to a torch.dtype "
-                        "(e.g. {'moved': torch.float32}).")
-    register_in(_MODES, name, mode, "SMET mode")
-    return mode
+    return _MODES.register(mode)
 
 
 def smet_mode_named(name: str) -> SMETMode:
     """The registered mode called `name`; ValueError naming the modes otherwise."""
-    if not isinstance(name, str) or name not in _MODES:  # (a list: `in` a TypeError, unhashable)
-        raise ValueError(f"SMET mode={name!r} is unknown; use one of {', '.join(map(repr, _MODES))} (a mode of your "
-                         "own: hf_sparse_cp.smet.register_smet_mode(instance) first).")
-    return _MODES[name]
+    return _MODES.named(name)
 
 
 def smet_modes() -> tuple[SMETMode, ...]:
     """Every registered mode, in registration order."""
-    return tuple(_MODES.values())
+    return _MODES.entries()
