@@ -241,8 +241,10 @@ class ParallelDims:
 
     def describe(self) -> str:
         """How this layout shares a sequence, in words (the start-up line, the model card)."""
+        # (a mode of one's own is named: one that subclasses a built-in mode would read as that mode)
+        own = "" if type(self.mode).__module__.startswith("hf_sparse_cp.") else f" (cp_mode {self.mode.name!r})"
         return (f"CP {self.cp_size} x DP {self.dp_size} ({self.world_size} processes): each sequence split over "
-                f"{self.cp_size} ranks, {self.mode.describe(self)}")
+                f"{self.cp_size} ranks, {self.mode.describe(self)}{own}")
 
     def check_model(self, model_config) -> None:
         """Raise ValueError, naming the numbers, unless the mode runs a model with `model_config` in this

@@ -162,6 +162,8 @@ def _describe_pattern(config: SparseAttentionConfig) -> str:
         if config.min_seq_len:
             text += f"; documents under {config.min_seq_len:,} tokens dense"
     text += f"; blocks of {config.block_size} tokens"
+    if config.attention_engine != "auto":  # (auto: the engine chosen per call, the kernels where they run)
+        text += f"; attention engine `{config.attention_engine}`"
     if config.dense_first_layers:
         text += f"; first {config.dense_first_layers} layer(s) dense"
     if config.layer_overrides:

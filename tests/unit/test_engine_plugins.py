@@ -62,6 +62,16 @@ def test_a_registered_engine_named_by_the_config_computes_its_calls(registry):
     assert register_engine(CountingEngine()) is not engine  # (its class again: a notebook's cell run again)
 
 
+def test_the_model_card_names_the_engine_a_config_chose(registry):
+    """The card's pattern line named no engine, so a run on an engine of one's own (or a built-in one chosen over
+    'auto') read as the kernels' run."""
+    from hf_sparse_cp.reporting.model_card import _describe_pattern
+
+    register_engine(CountingEngine())
+    assert "; attention engine `counting`;" in _describe_pattern(SparseAttentionConfig(attention_engine="counting"))
+    assert "attention engine" not in _describe_pattern(SparseAttentionConfig())  # ('auto': chosen per call)
+
+
 def test_an_engine_name_no_engine_has_is_refused_naming_register_engine():
     with pytest.raises(ValueError, match=r"attention_engine='counting' \(str\) is not valid: use one of 'auto', "
                                          r"'triton', .* \(an engine of your own: hf_sparse_cp.attention."

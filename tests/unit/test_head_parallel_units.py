@@ -212,3 +212,8 @@ def test_a_registered_cp_mode_is_selectable_and_runs_as_itself(monkeypatch):
                                          r"'hybrid', 'my_ring' \(a mode of your own: .*register_cp_mode"):
         ContextParallelConfig(cp_mode="my_rign")
     assert cp_mode_named("ring").resolve(config, 2)[0].name == "ring"
+    # the start-up line and the model card name a mode of one's own (a ring's subclass read as the built-in ring)
+    from hf_sparse_cp.distributed.mesh import ParallelDims
+
+    assert ParallelDims.single(mode=mine).describe().endswith("striped sharding, flat ring (cp_mode 'my_ring')")
+    assert ParallelDims.single(mode=cp_mode_named("ring")).describe().endswith("striped sharding, flat ring")
