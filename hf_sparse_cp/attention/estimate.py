@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..config import SparseAttentionConfig
+from ..config.registries import is_plugin
 from .budgets import Entries
 from .build import build_layout, dense_layout, diagonal_set_of_blocks, offsets_to_block_diagonals
 from .exact import FixedPoint
@@ -149,9 +150,6 @@ def _mark(keep: torch.Tensor, kept: torch.Tensor, positions: torch.Tensor) -> No
     keep |= torch.nn.functional.pad(keep, (0, 1)).scatter_(-1, at, True)[:, :-1]
 
 
-# The package's own budget modes, whose `most_kept` bounds their `select` by construction (tested).
-_OWN_MODULES = "hf_sparse_cp."
-
 
 def _check_selection(budget, selection: Any, columns: Entries, diagonals: Entries) -> None:
     """Raise TypeError, naming the fix, unless a budget mode's `select` returned (columns, diagonals): bool masks of
@@ -191,7 +189,7 @@ def select_into(keep_v: torch.Tensor, keep_s: torch.Tensor, cfg: SparseAttention
     (whole rows, or the candidates every rank offered) and its anchors in its set's keep_v, keep_s [H, S]."""
     budget = cfg.budget
     selection = budget.select(columns, diagonals, sg.start, sg.q_hi, sg.scored_end, cfg.block_size)
-    if not type(budget).__module__.startswith(_OWN_MODULES):  # (a host read: a plug-in's budget only)
+    if is_plugin(budget):  # (a host read: the package's own modes bound their `select` by construction, tested)
         _check_selection(budget, selection, columns, diagonals)
         _check_most_kept(budget, *selection)
     cols, diags = selection

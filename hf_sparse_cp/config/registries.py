@@ -31,6 +31,14 @@ def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def is_plugin(entry: Any) -> bool:
+    """Whether `entry` (a variant: a class, or an instance) is a user's, defined outside this package: what the
+    package's own variants hold by construction (tested) is checked on a plug-in's only, and a plug-in is named where
+    it would read as the built-in variant it subclasses."""
+    cls = entry if isinstance(entry, type) else type(entry)
+    return not cls.__module__.startswith("hf_sparse_cp.")
+
+
 def register_in(registry: dict[str, Any], name: str, entry: Any, kind: str, attribute: str = "name") -> None:
     """Put `entry` (a class, or an instance) under `name` in `registry`, unless an entry of another class holds that
     name (ValueError naming both, and `attribute`, the entry's naming attribute, to change): neither a built-in variant

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from ..config.registries import is_plugin
 from ..launch_env import in_launched_group, launched_world_size
 from .comm import RingTopology, group_timeout, naming_unresponsive_ranks, warm_up
 
@@ -242,7 +243,7 @@ class ParallelDims:
     def describe(self) -> str:
         """How this layout shares a sequence, in words (the start-up line, the model card)."""
         # (a mode of one's own is named: one that subclasses a built-in mode would read as that mode)
-        own = "" if type(self.mode).__module__.startswith("hf_sparse_cp.") else f" (cp_mode {self.mode.name!r})"
+        own = f" (cp_mode {self.mode.name!r})" if is_plugin(self.mode) else ""
         return (f"CP {self.cp_size} x DP {self.dp_size} ({self.world_size} processes): each sequence split over "
                 f"{self.cp_size} ranks, {self.mode.describe(self)}{own}")
 
