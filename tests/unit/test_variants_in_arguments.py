@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hf_sparse_cp import SparseTrainingArguments
-from hf_sparse_cp.attention import Engine, register_engine
+from hf_sparse_cp.attention import register_engine
 from hf_sparse_cp.attention.budgets import Budget
-from hf_sparse_cp.attention.reference import reference_backward, reference_forward
+from hf_sparse_cp.attention.engines import ReferenceEngine
 from hf_sparse_cp.config import sections
 from hf_sparse_cp.config.registries import ENGINES
 from hf_sparse_cp.distributed import register_cp_mode
@@ -36,14 +36,8 @@ class OwnBudget(Budget):
         return "every entry"
 
 
-class OwnEngine(Engine):
+class OwnEngine(ReferenceEngine):
     name = "own_engine"
-
-    def part(self, call):
-        return reference_forward(call)
-
-    def part_grads(self, call, out, lse, dout, dlse):
-        return reference_backward(call, out, lse, dout, dlse)
 
 
 class OwnRing(RingMode):
