@@ -174,7 +174,20 @@ def mistyped_flags_refusal(args: Sequence[str], target: str, is_module: bool) ->
         return None
     what = "is not a plugin flag, nor one" if len(mistyped) == 1 else "are not plugin flags, nor ones"
     return (f"{', '.join(mistyped)} after the script's path {what} that {os.path.basename(target)} declares"
-            f"{did_you_mean(parser, mistyped)}")
+            f"{did_you_mean(parser, mistyped)}{_own_budget_fields(mistyped, words)}")
+
+
+def _own_budget_fields(flags: Sequence[str], words: set[str]) -> str:
+    """What to do instead, where `flags` hold a `--sparse_X` whose X is a word of a script that registers a budget
+    mode (`words`: its source's): likely a field of that mode, which is no flag (the pattern flags are the built-in
+    modes' fields, built before any script runs), so the closest built-in flag alone would mislead."""
+    fields = [flag for flag in flags if (name := flag[2:].replace("-", "_")).startswith("sparse_")
+              and name[len("sparse_"):] in words]
+    if not fields or "register_budget" not in words:
+        return ""
+    return (f" Or, if {', '.join(fields)} should set a field of the budget mode that the script registers: a "
+            "budget mode of one's own has no flags, its fields go in the file given to --sparse_config (its "
+            "'budget' section: the mode and its fields)")
 
 
 def _trl_command(target: str, is_module: bool) -> bool:

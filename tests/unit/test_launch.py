@@ -836,6 +836,32 @@ def test_a_mistyped_plugin_flag_after_the_script_path_is_refused_before_the_proc
     assert cli.main(["launch", "--nproc", "2", "train.py", "--cp_sizee", "2"]) == 0
     assert len(started) == 6 + (script == "own_parser")
 
+
+def test_a_flag_for_a_field_of_a_budget_mode_the_script_registers_names_the_config_file(started, monkeypatch, tmp_path,
+                                                                                        capsys):
+    """`--sparse_share` for the field `share` of a budget mode the script registers was refused naming only the
+    closest built-in flag (--sparse_mass_target), though a budget mode of one's own has no flags (the pattern flags
+    are built before the script runs): the refusal also names the --sparse_config file's budget section."""
+    from hf_sparse_cp import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    own = "@register_budget\n@dataclass\nclass Share(Budget):\n    mode = 'share'\n    share: float = 0.1\n"
+    (tmp_path / "train.py").write_text(own)
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["launch", "--nproc", "2", "train.py", "--sparse_share", "0.2"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and not started, err
+    assert ("did you mean --sparse_mass_target for --sparse_share? Or, if --sparse_share should set a field of the "
+            "budget mode that the script registers: a budget mode of one's own has no flags, its fields go in the "
+            "file given to --sparse_config (its 'budget' section: the mode and its fields).") in err, err
+    (tmp_path / "train.py").write_text(own.replace("register_budget", "dataclass"))  # (registers none: a typo alone)
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "--nproc", "2", "train.py", "--sparse_share", "0.2"])
+    err = capsys.readouterr().err
+    assert "did you mean --sparse_mass_target for --sparse_share?" in err and "budget mode" not in err, err
+
+
 SETUP_SCRIPT = textwrap.dedent("""
     import sys
     import torch
