@@ -222,8 +222,8 @@ def _launch(argv: list[str], command: str = "launch") -> int:
             try:
                 run_flags = launched_flags(plugin, args, reads_trl_config(target, is_module))
             except UnregisteredVariant:
-                # a config file among the script's arguments naming a variant of the user's own, which the script
-                # registers in each process before its parser reads the file: the processes check it (as they check
+                # a flag or a config file among the script's arguments naming a variant of the user's own, which the
+                # script registers in each process before its parser reads them: the processes check it (as they check
                 # what only the script's parser can say)
                 run_flags = None
             except (OSError, ValueError) as e:

@@ -124,8 +124,9 @@ def check_field_types(config: Any, names: Collection[str] | None = None) -> None
     the annotated types, so flags always pass.
 
     A field the class names in `REGISTERED_FIELDS` (a class attribute) names a registered variant: its Literal lists
-    the built-in ones, the flag's choices, while any registered one is valid, so text there is left to the class,
-    which checks it against its registry (`registries.check_registered`, naming how to register one).
+    the built-in ones (for typing and the flag reference), while any registered one is valid, so text there is left to
+    the class, which checks it against its registry (`registries.check_registered`, naming how to register one; its
+    flag reads the registry as it parses: `registries.VariantFlag`).
     """
     types_ = _field_types(type(config))
     registered = getattr(type(config), "REGISTERED_FIELDS", ())

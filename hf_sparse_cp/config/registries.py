@@ -4,12 +4,15 @@ named instances (`NamedInstances`: the CP modes', the SMET modes'), and the atte
 engines' registry, which `hf_sparse_cp.attention.engines` fills (its built-in engines, then any `register_engine`
 adds), kept here so that a config checks its attention_engine against it without importing the engines, which import
 the config. (The budget modes' registry is in `sections.py`, the CP modes' in `hf_sparse_cp.distributed.modes.base`, the
-SMET modes' in `hf_sparse_cp.smet.modes.base`.)"""
+SMET modes' in `hf_sparse_cp.smet.modes.base`.) `Variants`: a registry as a setting that selects one of its entries
+reads it, the setting's command-line flag too (`VariantFlag`)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 from .files import UnregisteredVariant, setting, value_text
@@ -64,6 +67,66 @@ def check_registered(name: str, value: Any, registered: Collection[str], own: st
                     f"{', '.join(map(value_text, registered))} ({own} of your own: {register} first).")
 
 
+@dataclass(frozen=True)
+class Variants:
+    """What a setting that selects a registered variant (`cp_mode`, `budget_mode`, `attention_engine`, a SMET `mode`)
+    takes: the names `names()` gives when asked (the registry as it is then), checked by `check`; `own` and `register`
+    as `check_registered` takes them. `flag()`: the metadata that makes the setting's field, as a command-line flag,
+    read the registry too (`VariantFlag`)."""
+
+    names: Callable[[], Collection[str]]
+    own: str
+    register: str
+
+    def check(self, name: str, value: Any) -> None:
+        """Refuse `value` of setting `name` unless it names a registered variant (`check_registered`)."""
+        check_registered(name, value, self.names(), self.own, self.register)
+
+    def flag(self) -> dict[str, Any]:
+        """The entries of the field's metadata that HfArgumentParser (transformers', TRL's copy) hands its flag's
+        `add_argument`: `VariantFlag` as its action, reading this registry."""
+        return {"action": VariantFlag, "variants": self}
+
+
+class VariantFlag(argparse._StoreAction):  # (argparse's 'store', HfArgumentParser's default)
+    """The action of a flag that selects a registered variant (`--cp_mode`, `--sparse_budget_mode`,
+    `--sparse_attention_engine`, `--smet_mode`; its field's metadata gives it: `Variants.flag`).
+
+    HfArgumentParser makes a Literal field's flag take its Literal's values alone (argparse `choices`): the built-in
+    variants, which the field lists for typing and the flag reference, while a config file or code may name any
+    registered one. This action reads the registry as the command line parses instead: a variant the script registered
+    on import, before its parser parses, is taken, one nobody registered is refused naming the registered ones and how
+    to register one (`check_registered`'s words), and `--help` lists the registered ones (`{ring,ulysses,hybrid,...}`).
+
+    A parser that only splits a command line into flags and their values, which a launcher reads before the script runs
+    (so before it registers anything), sets `checks_variants = False`: the value is checked where the script's parser
+    reads it. A parser whose flags are read before the script runs sets `unregistered_note`: what its refusal adds
+    (where the flag goes instead)."""
+
+    def __init__(self, option_strings: list[str], dest: str, variants: Variants, choices: Any = None,
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)  # (`choices`, the Literal's: the registry says, below)
+        self.variants = variants
+
+    @property
+    def metavar(self) -> str:
+        """`{ring,ulysses,hybrid}`, as argparse shows `choices`: every variant registered when `--help` prints."""
+        return "{" + ",".join(self.variants.names()) + "}"
+
+    @metavar.setter
+    def metavar(self, value: Any) -> None:  # (argparse's `metavar` keyword: the registry's names stand)
+        pass
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if getattr(parser, "checks_variants", True):
+            try:
+                self.variants.check(self.dest, values)
+            except ValueError as e:  # (argparse's error: the usage and one line, status 2)
+                raise argparse.ArgumentError(self, f"{e}{getattr(parser, 'unregistered_note', '')}") from None
+        super().__call__(parser, namespace, values, option_string)
+
+
 class NamedInstances:
     """A registry of plug-in instances by their `name` (the CP modes, the SMET modes), in registration order:
     `register` takes an instance of `base` with a name (`register_in`'s rule for a name already held), `named` gives
@@ -110,3 +173,7 @@ class NamedInstances:
     def entries(self) -> tuple[Any, ...]:
         """Every entry, in registration order."""
         return tuple(self._entries.values())
+
+
+# What `attention_engine` takes (its flag: `--sparse_attention_engine`).
+ENGINES_SETTING = Variants(engine_settings, "an engine", "hf_sparse_cp.attention.register_engine(instance)")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .files import FileConfig, check_field_types, close_keys, flag_setting, setting
-from .registries import check_registered, register_in
+from .registries import Variants, register_in
 
 # The mode a config without a budget runs (the sparsest measured setting within 0.5% of dense perplexity).
 DEFAULT_MODE = "mass"
@@ -110,17 +110,21 @@ def budget_modes() -> tuple[str, ...]:
     return tuple(_registered())
 
 
+# What `budget_mode` takes (its flag: `--sparse_budget_mode`).
+BUDGET_MODES = Variants(budget_modes, "a mode", "@hf_sparse_cp.config.sections.register_budget on its class")
+
+
 def builtin_budget_modes() -> tuple[str, ...]:
     """The built-in budget modes (those `hf_sparse_cp.attention.budgets` defines), in registration order: the ones
-    the command-line flags list. A mode a user registers is selected in code or in a config file read after it is
-    registered; its fields are no flags, whichever was imported first (the flags are built once, on import)."""
+    whose fields are flags. A mode a user registers is selected in code, in a config file read after it is
+    registered, or by --sparse_budget_mode parsed after it is registered (`registries.VariantFlag`); its fields are no
+    flags, whichever was imported first (the flags are built once, on import)."""
     return tuple(mode for mode, cls in _registered().items()
                  if cls.__module__ == BUILTIN_BUDGETS or cls.__module__.startswith(BUILTIN_BUDGETS + "."))
 
 
 def budget_class(mode: str) -> type[BudgetSection]:
-    check_registered("budget_mode", mode, _registered(), "a mode",
-                     "@hf_sparse_cp.config.sections.register_budget on its class")
+    BUDGET_MODES.check("budget_mode", mode)
     return _registered()[mode]
 
 

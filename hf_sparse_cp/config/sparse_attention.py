@@ -27,7 +27,7 @@ from .files import (
 )
 from .flat_keys import nested
 from .model_fields import language_config
-from .registries import check_registered, engine_settings
+from .registries import ENGINES_SETTING
 from .sections import (
     BudgetSection,
     Scoring,
@@ -89,7 +89,8 @@ class SparseAttentionConfig(FileConfig):
     FILE_SECTION: ClassVar[str] = "sparse_attention"
     KIND: ClassVar[str] = "sparse attention"
     COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("budget_mode", "block_size", "min_seq_len")
-    # (its Literal lists the built-in engines for the flag; any registered engine is valid: `_check_engine`)
+    # (its Literal lists the built-in engines; any registered engine is valid: `_check_engine`, its flag's
+    # `registries.VariantFlag`)
     REGISTERED_FIELDS: ClassVar[tuple[str, ...]] = ("attention_engine",)
 
     pattern: Literal["vertical_slash", "dense"] = field(
@@ -153,7 +154,7 @@ class SparseAttentionConfig(FileConfig):
                   "a row of the call's head_dim; Flex where "
                   "Triton is not installed); the reference elsewhere. $HF_SPARSE_CP_ATTENTION_ENGINE replaces "
                   "'auto'. Dense calls go to flash-attn where installed, else to SDPA for plain causal rows "
-                  "($HF_SPARSE_CP_DENSE_BACKEND)."},
+                  "($HF_SPARSE_CP_DENSE_BACKEND).", **ENGINES_SETTING.flag()},
     )
     layer_overrides: dict | str | None = field(
         default=None,
@@ -191,8 +192,7 @@ class SparseAttentionConfig(FileConfig):
 
     def _check_engine(self) -> None:
         """Refuse an `attention_engine` that names no registered engine (`engines.register_engine`), naming them."""
-        check_registered("attention_engine", self.attention_engine, engine_settings(), "an engine",
-                         "hf_sparse_cp.attention.register_engine(instance)")
+        ENGINES_SETTING.check("attention_engine", self.attention_engine)
 
     @classmethod
     def keys(cls) -> list[str]:

@@ -13,11 +13,14 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
 from ..config.files import KnownKeywords, check_field_types, checks_unread_fields, setting
-from ..config.registries import check_registered
+from ..config.registries import Variants
 from .modes import CPMode, cp_mode_named, cp_modes
 from .split.documents import ATTENTION_RATE_SHARE, PlannerCosts
 
-CP_MODES = tuple(mode.name for mode in cp_modes())
+CP_MODES = tuple(mode.name for mode in cp_modes())  # (the built-in ones: its Literal)
+# What `cp_mode` takes (its flag too): any registered mode.
+CP_MODE_SETTING = Variants(lambda: [mode.name for mode in cp_modes()], "a mode",
+                           "hf_sparse_cp.distributed.register_cp_mode(instance)")
 
 
 @dataclass
@@ -26,7 +29,7 @@ class ContextParallelConfig(KnownKeywords):
 
     KIND: ClassVar[str] = "context parallel"
     COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("cp_size", "cp_mode", "cp_sharding")
-    # (its Literal lists the built-in modes for the flag; any registered mode is valid: `_check_mode`)
+    # (its Literal lists the built-in modes; any registered mode is valid: `_check_mode`, its flag's `VariantFlag`)
     REGISTERED_FIELDS: ClassVar[tuple[str, ...]] = ("cp_mode",)
     # The document planner's weights: read only under --cp_sharding document (`plans_documents`).
     PLANNER_FIELDS: ClassVar[tuple[str, ...]] = ("cp_planner_linear_per_token", "cp_planner_comm_per_token",
@@ -40,7 +43,8 @@ class ContextParallelConfig(KnownKeywords):
     cp_mode: Literal[CP_MODES] = field(
         default="ring",
         metadata={"help": "How the CP group shares the attention: "
-                  + "; ".join(f"'{mode.name}' ({mode.help})" for mode in cp_modes()) + "."},
+                  + "; ".join(f"'{mode.name}' ({mode.help})" for mode in cp_modes()) + ".",
+                  **CP_MODE_SETTING.flag()},
     )
     cp_ulysses_size: int | None = field(
         default=None,
@@ -91,8 +95,8 @@ class ContextParallelConfig(KnownKeywords):
     )
 
     def __post_init__(self) -> None:
-        # (cp_sharding and cp_ring too: their Literal lists the allowed values; cp_mode's lists the built-in modes for
-        # the flag, and any registered mode is valid here: `_check_mode`)
+        # (cp_sharding and cp_ring too: their Literal lists the allowed values; cp_mode's lists the built-in modes, and
+        # any registered mode is valid here: `_check_mode`)
         check_field_types(self)
         if self.cp_size < 1:
             raise ValueError(f"cp_size={self.cp_size} must be >= 1 (1 disables context parallelism).")
@@ -129,8 +133,7 @@ class ContextParallelConfig(KnownKeywords):
 
     def _check_mode(self) -> None:
         """Refuse settings the mode would ignore or cannot run, naming the fix."""
-        check_registered("cp_mode", self.cp_mode, [mode.name for mode in cp_modes()], "a mode",
-                         "hf_sparse_cp.distributed.register_cp_mode(instance)")
+        CP_MODE_SETTING.check("cp_mode", self.cp_mode)
         if self.cp_ulysses_size is not None and self.cp_ulysses_size < 1:
             raise ValueError(f"cp_ulysses_size={self.cp_ulysses_size} must be >= 1.")
         self.mode.check_flags(self)

@@ -240,7 +240,12 @@ PATCHES = (
                "args_file_flag")),
         Patch(parser, "error", "replaces", "argparse's error for a launched script's parser prints a short usage (its "
               "prog and --help), not every flag, the plugin's ~60 among them, unless the script wrote its own usage",
-              _LAUNCH_UNDO, ("self", "message")))),
+              _LAUNCH_UNDO, ("self", "message")),
+        Patch(parser, "_parse_dataclass_field", "reads", "a flag that selects a registered variant (--cp_mode, "
+              "--sparse_budget_mode, --sparse_attention_engine, --smet_mode) takes the action its field's metadata "
+              "names, which this hands add_argument (`config.registries.VariantFlag`: the registry read as the flags "
+              "parse, a variant the script registered taken), in place of its Literal's fixed choices",
+              parameters=("parser", "field")))),
     Patch("torch.optim.optimizer", "_global_optimizer_pre_hooks", "inserts into", "a launched script's first "
           "optimizer step outside a Trainer (a training loop of its own, which the plugin never reaches) is refused "
           "when the script was given plugin flags, else warned about (torch's public "

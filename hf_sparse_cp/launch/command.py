@@ -28,9 +28,10 @@ from .known_scripts import source_words, training_flags
 
 PROG = "python -m hf_sparse_cp.run"
 
-# What a variant nobody registered among the flags before the script's path is told: they parse before the script runs.
-BEFORE_THE_SCRIPT = (" (The flags before the script's path are read before the script runs: a config file naming a "
-                     "variant the script registers goes after its path, where the script's parser reads it.)")
+# What a variant nobody registered among the flags before the script's path is told (named by a flag, or by a config
+# file a flag gives): they parse before the script runs.
+BEFORE_THE_SCRIPT = (" (The flags before the script's path are read before the script runs: a flag or a config file "
+                     "naming a variant the script registers goes after its path, where the script's parser reads it.)")
 
 
 class _Refused(Exception):
@@ -38,7 +39,11 @@ class _Refused(Exception):
 
 
 class _SplitParser(HfArgumentParser):
-    """The plugin's flags, parsed without printing or exiting: which arguments they take (`split_command`)."""
+    """The plugin's flags, parsed without printing or exiting: which arguments they take (`split_command`). A flag's
+    variant of the user's own (`--cp_mode own_ring`) is one argument like any: the script registers it, so its
+    parser checks it (`registries.VariantFlag`)."""
+
+    checks_variants = False
 
     def __init__(self, options: Sequence[str] = (), allow_abbrev: bool = True) -> None:
         super().__init__(PluginArguments, add_help=False, allow_abbrev=allow_abbrev)
@@ -68,6 +73,7 @@ def parse_plugin_flags(flags: Sequence[str], *, prog: str | None = None, usage: 
     common flags first, after `description`)."""
     parser = HfArgumentParser(help_groups(PluginArguments, COMMON_FLAGS), prog=prog, usage=usage,
                               description=description, formatter_class=_HelpFormatter)
+    parser.unregistered_note = BEFORE_THE_SCRIPT  # (a flag naming a variant nobody registered: `VariantFlag`)
     explicit = explicit_fields(parser, flags)
     try:
         common, other = parser.parse_args_into_dataclasses(list(flags))

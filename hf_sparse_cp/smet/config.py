@@ -12,11 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from ..config.files import FileConfig, check_field_types
-from ..config.registries import check_registered
+from ..config.registries import Variants
 from .masks import MASK32
 from .modes import SMETMode, smet_mode_named, smet_modes
 
 SMET_MODES = tuple(mode.name for mode in smet_modes())  # the built-in modes (registered by `.modes`)
+# What `mode` takes (its flag too: `--smet_mode`): any registered mode.
+SMET_MODE_SETTING = Variants(lambda: [mode.name for mode in smet_modes()], "a mode",
+                             "hf_sparse_cp.smet.register_smet_mode(instance)")
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -43,12 +46,13 @@ class SMETConfig(FileConfig):
     FILE_SECTION: ClassVar[str] = "smet"
     KIND: ClassVar[str] = "SMET"
     COMMON_FLAGS: ClassVar[tuple[str, ...]] = ("density",)
-    # (its Literal lists the built-in modes for the flag; any registered mode is valid: `check_values`)
+    # (its Literal lists the built-in modes; any registered mode is valid: `check_values`, its flag's `VariantFlag`)
     REGISTERED_FIELDS: ClassVar[tuple[str, ...]] = ("mode",)
 
     mode: Literal[SMET_MODES] = field(
         default="sparse_weights",
-        metadata={"help": "; ".join(f"'{mode.name}': {mode.help}" for mode in smet_modes()) + "."},
+        metadata={"help": "; ".join(f"'{mode.name}': {mode.help}" for mode in smet_modes()) + ".",
+                  **SMET_MODE_SETTING.flag()},
     )
     density: float = field(
         default=0.25,
@@ -139,8 +143,7 @@ class SMETConfig(FileConfig):
 def check_values(values: Any, prefix: str = "") -> None:
     """Raise a ValueError that says how to fix it for the first value out of range among `values` (an `SMETConfig`,
     or any object with its fields as attributes), naming a field `prefix + name` (the flags: `--smet_`)."""
-    check_registered(f"{prefix}mode", values.mode, [mode.name for mode in smet_modes()], "a mode",
-                     "hf_sparse_cp.smet.register_smet_mode(instance)")
+    SMET_MODE_SETTING.check(f"{prefix}mode", values.mode)
     if not 0.0 < values.density <= 1.0:
         raise ValueError(f"{prefix}density={values.density} must be in (0, 1]; e.g. 0.5, 0.25 or 0.1.")
     if values.block_size < 1:

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Literal
 from ..config import SparseAttentionConfig
 from ..config.files import KnownKeywords, check_field_types, typed_flags, unread_fields_checked_by_caller
 from ..config.sections import (
+    BUDGET_MODES,
     DEFAULT_MODE,
     Scoring,
     budget_class,
@@ -243,7 +244,8 @@ def pattern_flag_fields() -> list[tuple[str, Any, dataclasses.Field]]:
     """The flat keys of `SparseAttentionConfig` as `make_dataclass` fields: every field, its `budget` section
     as `budget_mode` and every mode's fields, its `scoring` section as its fields. A section's flag defaults
     to unset (None): the config file's value, else the budget mode's."""
-    # (the built-in modes only: a mode registered before this module was imported is no flag, as one registered after)
+    # (the built-in modes' fields only: a mode registered before this module was imported has no field flags, as one
+    # registered after; --sparse_budget_mode takes either, reading the registry as it parses: `BUDGET_MODES.flag()`)
     hints, modes = typing.get_type_hints(SparseAttentionConfig), builtin_budget_modes()
     out = []
     for f in dataclasses.fields(SparseAttentionConfig):
@@ -252,7 +254,7 @@ def pattern_flag_fields() -> list[tuple[str, Any, dataclasses.Field]]:
                               for m in modes)
             out.append(("budget_mode", Literal[modes] | None, field(default=None, metadata={
                 "help": f"How many verticals / slashes a head keeps. {about}. Unset: the --sparse_config file's, "
-                        f"else the mode whose fields are given, else {DEFAULT_MODE!r}."})))
+                        f"else the mode whose fields are given, else {DEFAULT_MODE!r}.", **BUDGET_MODES.flag()})))
             for name in dict.fromkeys(name for m in modes for name in field_names(budget_class(m))):
                 owners = {m: _field(budget_class(m), name) for m in modes if name in field_names(budget_class(m))}
                 first = next(iter(owners.values()))

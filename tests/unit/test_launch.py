@@ -1551,8 +1551,59 @@ def test_a_config_file_naming_a_variant_the_script_registers_is_read_after_the_s
     err = _refused(capsys, ["launch", "--nproc", "2", "--smet", "--smet_config", "smet.yaml", "train.py"], cli.main)
     assert ("mode='own_mode' (str) is not valid: use one of 'sparse_weights', 'sparse_update' (a mode of your own: "
             "hf_sparse_cp.smet.register_smet_mode(instance) first). (The flags before the script's path are read "
-            "before the script runs: a config file naming a variant the script registers goes after its path") in err
+            "before the script runs: a flag or a config file naming a variant the script registers goes after its "
+            "path") in err
     # a value of the wrong kind is no variant's name: refused before any process starts, as before
     (tmp_path / "smet.yaml").write_text("mode: [own_mode]\n")
     err = _refused(capsys, ["launch", "--nproc", "2", "train.py", "--smet", "--smet_config", "smet.yaml"], cli.main)
     assert "mode=['own_mode'] (list) is not valid" in err and "script's path" not in err
+
+
+OWN_RING_SCRIPT = textwrap.dedent("""
+    from transformers import HfArgumentParser, TrainingArguments
+    from hf_sparse_cp.distributed import register_cp_mode
+    from hf_sparse_cp.distributed.modes.ring import RingMode
+
+    class OwnRing(RingMode):
+        name = "own_ring"
+        help = "the ring, as a plug-in"
+
+    register_cp_mode(OwnRing())
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
+    print("selected", args.context_parallel_config().mode.name)
+""")
+
+
+def test_a_flag_naming_a_variant_the_script_registers_is_read_after_the_script_path(
+        started, monkeypatch, tmp_path, capsys):
+    """`--cp_mode own_ring` (`--sparse_budget_mode`, `--sparse_attention_engine`, `--smet_mode`), own_ring registered
+    by the script on import, was refused by the script's parser (HfArgumentParser's choices: the built-in modes), by
+    the launcher before any process started, and before the script's path the launcher found no script at all (#50).
+    After the path, the script's parser takes it, and the launcher, which cannot know it, leaves it to the processes
+    (as a config file naming it); before the path, which every process reads before the script runs, it is refused
+    naming where it goes."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.distributed.modes import base as cp_mode_registry
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.setattr(cp_mode_registry._MODES, "_entries", dict(cp_mode_registry._MODES._entries))
+    monkeypatch.setattr(processes, "accelerator_count", lambda: 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(OWN_RING_SCRIPT)
+    own = [["--cp_mode", "own_ring"], ["--sparse_budget_mode", "own_budget"],
+           ["--sparse_attention_engine", "own_engine"], ["--smet", "--smet_mode", "own_smet"]]
+    flags = ["--cp_size", "2", *(arg for given in own for arg in given), "--use_cpu"]
+    assert cli.main(["launch", "--nproc", "2", "train.py", *flags]) == 0
+    assert started[-1][-len(flags) - 1:] == ["train.py", *flags]
+    for given in own:
+        err = _refused(capsys, ["launch", "--nproc", "2", *given, "train.py"], cli.main)
+        assert f"error: argument {given[-2]}/" in err and "goes after its path" in err, err
+    err = _refused(capsys, ["--cp_mode", "own_ring", "train.py"])
+    assert ("error: argument --cp_mode/--cp-mode: cp_mode='own_ring' (str) is not valid: use one of 'ring', "
+            "'ulysses', 'hybrid' (a mode of your own: hf_sparse_cp.distributed.register_cp_mode(instance) first). "
+            "(The flags before the script's path are read before the script runs: a flag or a config file naming a "
+            "variant the script registers goes after its path, where the script's parser reads it.)") in err, err
+    run(["train.py", "--output_dir", str(tmp_path / "out"), "--use_cpu", "--report_to", "none",
+         "--cp_mode", "own_ring"])
+    assert "selected own_ring" in capsys.readouterr().out
