@@ -48,7 +48,6 @@ from ..integration import compat
 from ..integration.architectures import transformers_release
 from ..integration.patching import PatchSet, temporarily
 from ..resharding.resume import SHARDED_STATE, has_sharded_state, resharded_loading, runs_fsdp2, sharded_saving
-from ..smet.config import SMET_MODES
 from ..smet.factory import SMETOptimizerFactory
 from .arguments import flag_errors
 from .callbacks import StepMetricsCallback
@@ -361,12 +360,9 @@ def _smet_flags(saved: dict | None) -> str:
     """The flags that give a resume the SMET settings a checkpoint was saved with."""
     if saved is None:
         return " It was saved without SMET: drop --smet (and --smet_config)."
-    flags = f"--smet_density {saved['density']} --smet_block_size {saved['block_size']}"
-    if saved["mode"] in SMET_MODES:
-        return f" Resume with --smet --smet_mode {saved['mode']} {flags} (flags beat a --smet_config file)."
-    # (--smet_mode lists the built-in modes: a registered one is named in a file, read after the script registers it)
-    return (f" Resume with --smet {flags} and a --smet_config file holding mode: {saved['mode']} (a SMET mode of your "
-            "own, registered before the flags parse, has no --smet_mode flag; flags beat the file).")
+    # (a mode of one's own too: --smet_mode takes any mode registered when the flags parse, `registries.VariantFlag`)
+    return (f" Resume with --smet --smet_mode {saved['mode']} --smet_density {saved['density']} --smet_block_size "
+            f"{saved['block_size']} (flags beat a --smet_config file).")
 
 
 def check_weights_fit(folder: Path, model: Any) -> None:

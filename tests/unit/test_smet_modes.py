@@ -126,8 +126,9 @@ def test_what_the_registry_cannot_take_is_refused_naming_the_fix(registry):
 
 def test_a_resume_of_a_checkpoint_of_a_registered_mode_is_told_how_to_name_it(registry, tmp_path):
     """A checkpoint saved with another SMET setting names what resumes it: for a mode of one's own it said
-    `--smet_mode random_start`, which the flag parser refuses (its choices are the built-in modes): a --smet_config
-    file names it (#50). The flags it names parse, and with the file give the saved setting."""
+    `--smet_mode random_start`, which the flag parser refused (its choices were the built-in modes), then a
+    --smet_config file holding it (#50); the flag takes a registered mode now. The flags it names parse, and give
+    the saved setting."""
     from transformers import HfArgumentParser
 
     from hf_sparse_cp import SparseTrainingArguments
@@ -135,11 +136,10 @@ def test_a_resume_of_a_checkpoint_of_a_registered_mode_is_told_how_to_name_it(re
 
     register_smet_mode(RandomStartMode())
     hint = _smet_flags({"mode": "random_start", "density": 0.5, "block_size": 8})
-    assert "--smet_mode random_start" not in hint and "--smet_config file holding mode: random_start" in hint
-    (tmp_path / "smet.yaml").write_text("mode: random_start\n")
-    flags = hint.split("Resume with ")[1].split(" and ")[0].split()
+    assert "--smet --smet_mode random_start --smet_density 0.5 --smet_block_size 8" in hint
+    flags = hint.split("Resume with ")[1].split(" (")[0].split()
     (args,) = HfArgumentParser(SparseTrainingArguments).parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path), "--use_cpu", *flags, "--smet_config", str(tmp_path / "smet.yaml")])
+        ["--output_dir", str(tmp_path), "--use_cpu", *flags])
     config = args.smet_optimizer_config()
     assert (config.mode, config.density, config.block_size) == ("random_start", 0.5, 8)
     builtin = _smet_flags({"mode": "sparse_update", "density": 0.5, "block_size": 8})
