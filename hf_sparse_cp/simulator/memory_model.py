@@ -39,7 +39,17 @@ from ..distributed.heads.split import HeadSplit
 from ..memory.savers import MemorySavers
 from .kept_curve import DEFAULT_CURVE, KeptCurve
 from .lora import MODULE_INPUTS, LoraSettings, module_features
-from .shapes import MODELS, LayerSaved, ModelShape, SavedBytes, check_decoder, layer_saved, meta_model
+from .shapes import (
+    MODELS,
+    LayerSaved,
+    ModelShape,
+    MoeBytes,
+    SavedBytes,
+    check_decoder,
+    layer_saved,
+    meta_model,
+    moe_bytes,
+)
 
 GIB = 2**30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -75,6 +85,7 @@ class _SavedByDtype(Mapping[str, tuple[LayerSaved, ...]]):
         self._model, self._kv_heads, self._where, self._twin = model, kv_heads, where, twin
         self._measured: dict[tuple[str, bool, bool], tuple[LayerSaved, ...]] = {}
         self._beyond: dict[tuple[str, bool, bool], tuple[LayerSaved, ...] | None] = {}
+        self._moe: dict[tuple[str, bool], MoeBytes] = {}
         self["bfloat16"]  # noqa: B018 (measured for its errors)
 
     def measure(self, dtype: str, frozen: bool = False, autocast: bool = False) -> tuple[LayerSaved, ...]:
@@ -85,6 +96,13 @@ class _SavedByDtype(Mapping[str, tuple[LayerSaved, ...]]):
             self._measured[key] = layer_saved(self._model, getattr(torch, dtype), self._kv_heads, self._where,
                                               frozen=frozen, autocast=autocast)
         return self._measured[key]
+
+    def moe(self, dtype: str, autocast: bool = False) -> MoeBytes:
+        """What the layers' mixture of experts allocates in `dtype` (`shapes.moe_bytes`; `autocast` as `measure`)."""
+        key = dtype, autocast
+        if key not in self._moe:
+            self._moe[key] = moe_bytes(self._model, getattr(torch, dtype), self._where, autocast=autocast)
+        return self._moe[key]
 
     def beyond_llama(self, dtype: str, frozen: bool = False, autocast: bool = False
                      ) -> tuple[LayerSaved, ...] | None:
@@ -143,6 +161,12 @@ class Architecture:
     def layer_params(self) -> int:
         """Parameters of one decoder layer: its matrices, biases and norm weights."""
         return self.shape.layer_params + self.layer_extra
+
+    @property
+    def cast_params(self) -> int:
+        """Parameters of one decoder layer that autocast casts to the compute dtype: all but a mixture of experts'
+        routed experts (torch's grouped matmul, not autocast's, runs them in their own dtype)."""
+        return self.layer_params - self.shape.expert_params
 
     @property
     def token_tiles(self) -> bool:
@@ -771,11 +795,30 @@ class _Step:
         tape.free(*saved)
         return []
 
+    @property
+    def moe(self) -> MoeBytes:
+        """What the layers' mixture of experts allocates, measured on its block (`_SavedByDtype.moe`), under autocast
+        with an fp32 residual stream where the step has one."""
+        measure = getattr(self.arch.layer_saved, "moe", None)
+        if measure is None:
+            raise ValueError(f"{self.arch.name}: a mixture of experts is predicted from its block measured on the "
+                             "meta device: build the architecture from its config (Architecture.from_config).")
+        return measure(self.s.dtype, autocast=self.fp32_stream)
+
+    def moe_peak(self, part: str) -> tuple[float, float]:
+        """(per token, constant) bytes of `MoeBytes` part `part` at this rank's tokens."""
+        peak = MoeBytes.at(getattr(self.moe, part), self.t)
+        return peak.per_token, peak.const
+
     def mlp(self, grad: bool) -> list[int]:
         """Gated (SwiGLU): gate, act(gate), up, act * up ([T, I] each); two matrices: fc1's output, act of it. Saved:
         what the activation keeps (SiLU, GELU: its input; a ReLU's input is freed: its output) and its output, and a
-        gated MLP's up and product. Tiled: one tile's."""
+        gated MLP's up and product. Tiled: one tile's. A mixture of experts: its block's peak (its output included),
+        and with grad what it saves, measured (`moe`)."""
         tape, a, i, sh = self.tape, self.a, self.i, self.arch.shape
+        if sh.experts:
+            tape.transient("MLP intermediate", *self.moe_peak("recomputed" if grad else "forward"))
+            return [tape.alloc("MLP intermediate", *self.moe_peak("saved"))] if grad else []
         if self.s.savers.tiled:
             tape.transient("MLP intermediate", *self.tiles(sh.mlp_saved * a * i))
             return []
@@ -951,6 +994,10 @@ class _Step:
             g_n2 = tape.alloc("hidden-state gradients", per_token=r * h)
             tape.transient("MLP intermediate", *self.tiles((sh.mlp_saved + sh.mlp_matrices) * a * i))
             tape.free(sums)
+        elif sh.experts:  # its block's backward at its peak, what it saved freed as it goes (measured: `moe`)
+            tape.free(*saved["mlp"])
+            tape.transient("MLP intermediate", *self.moe_peak("backward"))
+            g_n2 = tape.alloc("hidden-state gradients", per_token=r * h)
         elif not sh.gated:
             p, act = saved["mlp"]
             g_act = tape.alloc("MLP intermediate", per_token=a * i)  # fc2 backward
@@ -1032,7 +1079,7 @@ class _Step:
         tape.alloc("rotary cos/sin", per_token=2 * arch.shape.head_dim * r)  # (in the hidden states' dtype)
         checkpointing = s.gradient_checkpointing
         # (autocast caches the copies of the weights that train: a frozen weight is cast at each use, its copy freed)
-        casts = tape.alloc("autocast weight copies", const=n_layers * (adapters if lora else arch.layer_params) * a) \
+        casts = tape.alloc("autocast weight copies", const=n_layers * (adapters if lora else arch.cast_params) * a) \
             if self.weight_casts and checkpointing else None
         # without checkpointing: each layer's autocast copies (which its saved tensors hold) and saved tensors, kept
         # to its backward; its input (`floor`) freed by its forward or saved with its first norm's tensors
@@ -1044,7 +1091,7 @@ class _Step:
             if checkpointing:
                 floor.append(self.layer_forward())
                 continue
-            layer_casts.append(tape.alloc("autocast weight copies", const=(arch.layer_params + adapters) * a)
+            layer_casts.append(tape.alloc("autocast weight copies", const=(arch.cast_params + adapters) * a)
                                if self.weight_casts else None)
             saved, out = self.layer_with_grad(floor[-1])
             floor[-1] = None
@@ -1076,7 +1123,7 @@ class _Step:
             self.layer, self.window = layer, self.windows[layer]
             if checkpointing:
                 copied = tape.alloc("saved layer inputs", per_token=r * h) if self.offload else None
-                cast = tape.alloc("autocast weight copies", const=(arch.layer_params + adapters) * a) \
+                cast = tape.alloc("autocast weight copies", const=(arch.cast_params + adapters) * a) \
                     if self.weight_casts else None  # (the frozen matrices' products save them)
                 saved = self.layer_recompute()
             else:

@@ -1,21 +1,23 @@
 """Decoder shapes the simulator's predictions take (step time, `step_model.py`; memory,
 `memory_model.py`): `ModelShape`, the presets `MODELS`, and any causal LM's shape from its transformers config
-(`ModelShape.from_config`, which reads the MLP's form off the model that transformers builds from the config on the
-meta device). It imports nothing of the package but what it shares with training of a config and of the model built
-from it (`config.model_fields`: the expert counts, the decoder layers)."""
+(`ModelShape.from_config`, which reads the MLP's form, or its experts', off the model that transformers builds from the
+config on the meta device). It imports nothing of the package but what it shares with training of a config and of the
+model built from it (`config.model_fields`: the expert counts, the decoder layers)."""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-# (EXPERT_COUNTS: the predictions count one dense MLP per layer, a mixture of experts is refused)
 from ..config.model_fields import EXPERT_COUNTS, decoder_layers, language_config
 
 # The fields of a decoder's config the predictions read (transformers' standard names; the MLP's width also under
@@ -23,6 +25,18 @@ from ..config.model_fields import EXPERT_COUNTS, decoder_layers, language_config
 DECODER_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 # The fields a config names its MLP's activation by (transformers' `ACT2FN` keys), for the refusals.
 ACTIVATION_FIELDS = ("hidden_act", "hidden_activation", "activation_function")
+# The mixtures of experts the predictions model: a Llama-like decoder layer whose MLP is transformers' sparse block
+# (a router's top-k of gated experts run by `integrations.moe`'s grouped matmul, Qwen2-MoE's shared expert beside them)
+# in every layer; what its block allocates is measured on the meta device (`moe_bytes`), checked against the same
+# block on a CPU and a CPU step (tests/unit/test_memory_moe.py).
+MOE_FAMILIES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+# Why other mixtures of experts are refused (model type -> what the predictions do not model of it).
+MOE_REFUSED = {
+    "deepseek_v2": "latent attention (MLA), dense first layers (first_k_dense_replace) and group-limited routing",
+    "deepseek_v3": "latent attention (MLA), dense first layers (first_k_dense_replace) and group-limited sigmoid "
+                   "routing",
+    "gpt_oss": "attention sinks, and experts with biases and a clamped SwiGLU",
+}
 
 
 def intermediate_width(config: Any) -> int | None:
@@ -105,6 +119,41 @@ def mlp_form(model: torch.nn.Module, config: Any, where: str) -> tuple[bool, flo
     return weights == 3 * hidden * width, activation_saved(activations[0])
 
 
+def moe_form(model: torch.nn.Module, config: Any, where: str) -> tuple[int, int, int, int, float]:
+    """(experts, experts per token, an expert's width, the block's other weights, `activation_saved`) of the mixture
+    of experts in `model`'s decoder layers (`MOE_FAMILIES`): each layer's `mlp` a block of `experts` (gated: gate and
+    up fused, then down, without biases) and the rest (the router, Qwen2-MoE's shared expert and its gate).
+
+    Raises:
+        ValueError: a layer with a dense MLP (Qwen's mlp_only_layers, decoder_sparse_step), or experts of another
+            form; the message names the fields and the fix, after `where`.
+    """
+    layers = decoder_layers(model)
+    blocks = [getattr(getattr(layer, "mlp", None), "experts", None) for layer in layers]
+    dense = [index for index, block in enumerate(blocks) if not isinstance(block, torch.nn.Module)]
+    if dense:
+        fields = ", ".join(f"{f}={getattr(config, f)!r}" for f in ("mlp_only_layers", "decoder_sparse_step")
+                           if hasattr(config, f))
+        raise ValueError(f"{where}: decoder layers {dense} of {len(layers)} have a dense MLP and the others experts "
+                         f"({fields or 'the config'}); the predictions model every layer's MLP alike: give a config "
+                         "whose layers all route to experts (mlp_only_layers [], decoder_sparse_step 1), or a dense "
+                         "model's.")
+    experts, hidden = blocks[0], config.hidden_size
+    count, per_token = experts.num_experts, config.num_experts_per_tok
+    weights = sum(p.numel() for p in experts.parameters() if p.dim() == 3)
+    width = weights // (3 * count * hidden)
+    activation = getattr(experts, "act_fn", None)
+    if (not getattr(experts, "has_gate", False) or getattr(experts, "has_bias", True) or
+            weights != 3 * count * hidden * width or any(p.dim() != 3 for p in experts.parameters()) or
+            not isinstance(activation, torch.nn.Module)):
+        raise ValueError(f"{where}: the experts ({type(experts).__name__}) are not {count} gated MLPs without biases "
+                         f"of hidden_size {hidden} (gate and up fused, then down, and one activation), the form the "
+                         f"predictions model ({', '.join(MOE_FAMILIES)}); give the config.json of one of those, or of "
+                         "a dense model.")
+    others = sum(p.numel() for p in layers[0].mlp.parameters() if p.dim() >= 2) - weights
+    return count, per_token, width, others, activation_saved(activation)
+
+
 # The lengths a decoder layer's saved tensors are measured at (on the meta device, where nothing is computed): the
 # bytes per token and the constant bytes from the first two, the third checks that the bytes are affine in the tokens.
 SAVED_LENGTHS = (64, 128, 192)
@@ -132,10 +181,27 @@ class LayerSaved:
     after: SavedBytes
 
 
+class _GroupedMatmulStandIn(torch.autograd.Function):
+    """torch's grouped matmul (transformers' experts: `integrations.moe`) in a measuring forward, in any dtype (its meta
+    kernel takes bf16 alone): an output of [rows of a, columns of b] in a's dtype; saved, as its autograd formula saves
+    them, both operands and the offsets."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(a, b, offs)
+        return a.new_empty(a.shape[0], b.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # (as its autograd formula: each operand's gradient, of its size)
+        a, b, _ = ctx.saved_tensors
+        return grad.new_empty(a.shape), grad.new_empty(b.shape), None
+
+
 class _AttentionStandIn(TorchFunctionMode):
     """SDPA's stand-in in a measuring forward: returns an output of the query's shape in [B, S, H, D] memory (as the
     sparse_cp kernels write it, so that transformers' transpose back is a view of it), saves nothing, and records
-    each call's (layer, q, k, v, output) under `layer`, the decoder layer running."""
+    each call's (layer, q, k, v, output) under `layer`, the decoder layer running. Torch's grouped matmul (a mixture
+    of experts') runs through `_GroupedMatmulStandIn`."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -143,6 +209,8 @@ class _AttentionStandIn(TorchFunctionMode):
         self.calls: list[tuple[int | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch._grouped_mm:  # (a mixture of experts' grouped matmul: on the meta device, bf16 only)
+            return _GroupedMatmulStandIn.apply(*args[:2], (kwargs or {}).get("offs", args[2:3] or None))
         if func is not torch.nn.functional.scaled_dot_product_attention:
             return func(*args, **(kwargs or {}))
         q, k, v = args[:3]
@@ -165,9 +233,9 @@ class _AutocastStandIn(TorchFunctionMode):
     FP32 = (torch.nn.functional.layer_norm, torch.nn.functional.group_norm, torch.softmax, torch.log_softmax,
             torch.nn.functional.softmax, torch.nn.functional.log_softmax, torch.Tensor.softmax)
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, hold: bool = True) -> None:
         super().__init__()
-        self.dtype = dtype
+        self.dtype, self.hold = dtype, hold
         self.weight_casts: dict[int, torch.Tensor] = {}
         self.weight_storages: set[int] = set()
         self.sources: dict[int, int] = {}
@@ -183,7 +251,8 @@ class _AutocastStandIn(TorchFunctionMode):
             return self.weight_casts[id(value)]
         cast = value.to(dtype)
         self.sources[_storage(cast)] = _storage(value)
-        self.held.append(cast)
+        if self.hold:  # (`_LiveBytes` numbers storages instead: a cast goes when its last tensor does)
+            self.held.append(cast)
         return cast
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -340,20 +409,160 @@ def layer_saved(model: torch.nn.Module, dtype: torch.dtype, kv_heads: int, where
     finally:
         for p in trained:
             p.requires_grad_(True)
-    (t1, t2, t3), result = SAVED_LENGTHS, []
-    for index, by_length in enumerate(zip(*counts)):
-        parts = []
-        for b1, b2, b3 in zip(*by_length):
-            per_token = (b2 - b1) / (t2 - t1)
-            const = b1 - per_token * t1
-            if (b3 - b2) * (t2 - t1) != (b2 - b1) * (t3 - t2) or const < 0:
-                raise ValueError(f"{where}: decoder layer {index} saves {b1:,}, {b2:,} and {b3:,} bytes for backward "
-                                 f"at {t1}, {t2} and {t3} tokens, not a number per token and a constant, which the "
-                                 "predictions scale; give a decoder whose layers save per token, or a preset "
-                                 "(--model).")
-            parts.append(SavedBytes(per_token, const))
-        result.append(LayerSaved(*parts))
-    return tuple(result)
+    return tuple(LayerSaved(*_affine(by_length, SAVED_LENGTHS, f"{where}: decoder layer {index}"))
+                 for index, by_length in enumerate(zip(*counts)))
+
+
+@dataclass(frozen=True)
+class MoeBytes:
+    """What a mixture of experts' block (a decoder layer's `mlp`, `MOE_FAMILIES`) allocates, measured on the block
+    itself (`moe_bytes`): the peak of its forward without grad (`forward`, its output included), the peak of its
+    forward with grad (`recomputed`: what it saves and its output included), what it saves for backward (`saved`:
+    the router's probabilities, the tokens' gathered copies, the experts' intermediates; its input, which the layer
+    holds, apart), and the peak of its backward (`backward`: what is left of the saved tensors and the gradients made,
+    its input's included; not the output's gradient, nor the weights', the model's "gradients")."""
+
+    forward: tuple[SavedBytes, ...]  # (each a candidate for the peak: the peak at a length is the largest then)
+    recomputed: tuple[SavedBytes, ...]
+    saved: tuple[SavedBytes]
+    backward: tuple[SavedBytes, ...]
+
+    @staticmethod
+    def at(candidates: tuple[SavedBytes, ...], tokens: int) -> SavedBytes:
+        """The candidate of the most bytes at `tokens` tokens."""
+        return max(candidates, key=lambda c: c.per_token * tokens + c.const)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The storages the ops create while the mode is on, on any device (the meta device's too), in order: `events`
+    of (its number, bytes) at its creation and (its number, -bytes) when its last tensor goes (numbered: a freed
+    storage's address is reused); `number` gives a live tensor's; `curve` replays them. `copies`: the numbers of
+    the copies made of `sources` (autocast's casts of them)."""
+
+    def __init__(self, *sources: torch.Tensor) -> None:
+        super().__init__()
+        self.events: list[tuple[int, int]] = []
+        self._live: dict[int, int] = {}  # storage address -> its number
+        self.sources, self.copies = {_storage(t) for t in sources}, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not any(r.alias_info is not None for r in func._schema.returns):  # (a view or an in-place op: none)
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and _storage(t) not in self._live and t.untyped_storage().nbytes():
+                    storage, number = t.untyped_storage(), len(self.events)
+                    self._live[_storage(t)] = number
+                    if func is torch.ops.aten._to_copy.default and _storage(args[0]) in self.sources:
+                        self.copies.add(number)
+                    self.events.append((number, storage.nbytes()))
+                    weakref.finalize(storage, self._free, _storage(t), number, storage.nbytes())
+        return out
+
+    def _free(self, key: int, number: int, nbytes: int) -> None:
+        if self._live.get(key) == number:
+            del self._live[key]
+        self.events.append((number, -nbytes))
+
+    def number(self, t: torch.Tensor) -> int | None:
+        """The number of `t`'s storage (None: not made while the mode was on)."""
+        return self._live.get(_storage(t))
+
+    def curve(self, start: int, end: int, left_out: set[int]) -> list[int]:
+        """The bytes alive after each event from `start` to `end` (the first: before them), the storages of
+        `left_out` and `copies` not counted."""
+        left_out = left_out | self.copies
+        alive = [sum(n for key, n in self.events[:start] if key not in left_out)]
+        for key, n in self.events[start:end]:
+            alive.append(alive[-1] + (0 if key in left_out else n))
+        return alive
+
+
+def moe_at(block: torch.nn.Module, tokens: int, dtype: torch.dtype, autocast: torch.dtype | None = None
+           ) -> tuple[list[int], ...]:
+    """The bytes alive after each op of the parts of `MoeBytes` (saved: one number) of `block` run on `tokens` tokens
+    in `dtype` where its weights are (on the meta device: grouped matmuls through `_GroupedMatmulStandIn`, autocast's
+    casts to `autocast` through `_AutocastStandIn`), its weights' gradients, autocast's copies of the block's input
+    (which the layer saves: `LayerSaved.after`) and of its weights (the model's "autocast weight copies") left out."""
+    device = next(block.parameters()).device
+    x = torch.randn(1, tokens, block.experts.hidden_dim, dtype=dtype, device=device, requires_grad=True)
+    live = _LiveBytes(x, *block.parameters())
+    meta = device.type == "meta"
+
+    def casts() -> contextlib.AbstractContextManager:  # (each forward its own: a weight's cast without grad kept
+        # for a forward with grad would save no input for its gradient)
+        return _AutocastStandIn(autocast, hold=False) if autocast is not None and meta else contextlib.nullcontext()
+
+    with _AttentionStandIn() if meta else contextlib.nullcontext(), live:
+        with torch.no_grad(), casts():
+            block(x)
+        forward = live.curve(0, len(live.events), set())
+        start = len(live.events)
+        with casts():
+            y = block(x)
+        grad = torch.randn_like(y)
+        left_out = {live.number(grad)}
+        recomputed = live.curve(start, len(live.events), left_out)
+        saved = recomputed[-1] - y.untyped_storage().nbytes()
+        left_out.add(live.number(y))
+        middle = len(live.events)
+        y.backward(grad)
+        left_out |= {live.number(p.grad) for p in block.parameters() if p.grad is not None}
+    for p in block.parameters():
+        p.grad = None
+    return forward, recomputed, [saved], live.curve(middle, len(live.events), left_out)
+
+
+def moe_bytes(model: torch.nn.Module, dtype: torch.dtype, where: str, autocast: bool = False) -> MoeBytes:
+    """`MoeBytes` of the mixture of experts in `model`'s decoder layers (every layer's alike: `moe_form`), built on the
+    meta device, with activations in `dtype`: its first layer's block run alone at `SAVED_LENGTHS` tokens, forward
+    without grad, forward with grad and backward, the bytes its ops create followed (`_LiveBytes`) and taken apart
+    into a number per token and a constant. The model is moved to `dtype`; `autocast`: fp32 weights with autocast's
+    casts to `dtype`, as `layer_saved` (torch's grouped matmul of the experts is not autocast's: it runs in fp32).
+
+    Raises:
+        ValueError: the block does not run on the meta device, or its bytes are not affine in the tokens, naming the
+            fix after `where`.
+    """
+    model.to(torch.float32 if autocast else dtype).eval()
+    block = decoder_layers(model)[0].mlp
+    try:
+        counts = [moe_at(block, tokens, torch.float32 if autocast else dtype, dtype if autocast else None)
+                  for tokens in SAVED_LENGTHS]
+    except Exception as error:  # (any block's failure on the meta device: reported, never guessed around)
+        raise ValueError(f"{where}: the predictions measure a mixture of experts' block on the meta device, where "
+                         f"{type(block).__name__} failed ({type(error).__name__}: {error}); give a config of "
+                         f"{', '.join(MOE_FAMILIES)}, or a dense model's.") from error
+    what = f"{where}: the mixture of experts' block ({type(block).__name__})"
+    parts = []
+    for curves in zip(*counts):  # (the same ops at every length: the bytes alive after each op, by length)
+        if len({len(curve) for curve in curves}) != 1:
+            raise ValueError(f"{what} runs other ops at {', '.join(map(str, SAVED_LENGTHS))} tokens, whose peak the "
+                             f"predictions cannot scale; give a config of {', '.join(MOE_FAMILIES)}, or a dense "
+                             "model's.")
+        alive = _affine(list(curves), SAVED_LENGTHS, what)
+        # (the peak over the ops at any length: the ops that no other op holds more bytes than at every length)
+        parts.append(tuple(sorted({a for a in alive if not any(
+            b != a and b.per_token >= a.per_token and b.const >= a.const for b in alive)},
+            key=lambda a: (a.per_token, a.const))))
+    return MoeBytes(*parts)
+
+
+def _affine(counts: list[tuple[int, ...]], lengths: tuple[int, int, int], what: str) -> list[SavedBytes]:
+    """`SavedBytes` of each part of `counts` (bytes of the parts at each of three `lengths`).
+
+    Raises:
+        ValueError: a part is not a number per token and a constant, naming `what`.
+    """
+    (t1, t2, t3), parts = lengths, []
+    for b1, b2, b3 in zip(*counts):
+        per_token = (b2 - b1) / (t2 - t1)
+        const = b1 - per_token * t1
+        if (b3 - b2) * (t2 - t1) != (b2 - b1) * (t3 - t2) or const < 0:
+            raise ValueError(f"{what} saves {b1:,}, {b2:,} and {b3:,} bytes for backward at {t1}, {t2} and {t3} "
+                             "tokens, not a number per token and a constant, which the predictions scale; give a "
+                             "decoder whose layers save per token, or a preset (--model).")
+        parts.append(SavedBytes(per_token, const))
+    return parts
 
 
 def check_decoder_sizes(where: str, sizes: dict[str, Any]) -> None:
@@ -403,10 +612,21 @@ def check_decoder(config: Any, where: str) -> tuple[int, int, int]:
     # (the config's own field before transformers' alias of it: DeepSeek's n_routed_experts, read as num_local_experts)
     aliases = getattr(config, "attribute_map", {})
     experts = sorted((field for field in EXPERT_COUNTS if getattr(config, field, None)), key=lambda f: f in aliases)
-    if experts:
-        raise ValueError(f"{where}: {experts[0]}={getattr(config, experts[0])}: a mixture of experts, which the "
-                         "predictions do not model (they count one dense MLP per layer); give a dense model's "
-                         "config.json, or a preset (--model).")
+    family = getattr(config, "model_type", None)
+    if experts and family not in MOE_FAMILIES:
+        why = MOE_REFUSED.get(family, "a form they are not checked on")
+        raise ValueError(f"{where}: {experts[0]}={getattr(config, experts[0])}: a mixture of experts of model_type "
+                         f"{family!r}, whose {why} the predictions do not model (they model the experts of "
+                         f"{', '.join(MOE_FAMILIES)}); give the config.json of one of those or of a dense model, or a "
+                         "preset (--model).")
+    if experts and getattr(config, "output_router_logits", False):
+        raise ValueError(f"{where}: output_router_logits=True: the stock loss adds the router's auxiliary loss over "
+                         "every layer's router logits, kept to the loss, which the predictions do not model; give "
+                         "output_router_logits false, or a preset (--model).")
+    if experts and getattr(config, "router_jitter_noise", 0):
+        raise ValueError(f"{where}: router_jitter_noise={config.router_jitter_noise}: training multiplies each MLP's "
+                         "input by noise, whose tensors the predictions do not model; give 0.0, or a preset "
+                         "(--model).")
     missing = [field for field in DECODER_FIELDS if getattr(config, field, None) is None
                and not (field == "intermediate_size" and intermediate_width(config) is not None)]
     text = language_config(config)
@@ -442,7 +662,9 @@ class ModelShape:
     """A decoder's shape (Qwen2Config fields), with its MLP's form: gated (SwiGLU, GeGLU: gate, up and down
     projections) or two matrices (fc1, fc2), how many [tokens, intermediate] tensors its activation keeps for
     backward (`activation_saved`; SiLU: its input and output), and which layers attend within a sliding window
-    (`windows`, `layer_windows`)."""
+    (`windows`, `layer_windows`). A mixture of experts (`experts` > 0, `MOE_FAMILIES`): each layer's MLP is `experts`
+    gated MLPs of width `intermediate`, `experts_per_token` of them run for each token, beside `moe_weights` (the
+    router's, a shared expert's)."""
 
     name: str
     layers: int
@@ -456,11 +678,20 @@ class ModelShape:
     gated: bool = True
     activation_saved: float = 2.0
     windows: tuple[int | None, ...] = ()  # each layer's sliding window, None: global; (): every layer global
+    experts: int = 0  # routed experts per layer (0: one dense MLP)
+    experts_per_token: int = 0
+    moe_weights: int = 0  # the MoE block's matrix weights besides the routed experts' (router, shared expert)
 
     @property
     def mlp_matrices(self) -> int:
-        """The MLP's matrices: gate, up and down, or fc1 and fc2."""
+        """The MLP's matrices (an expert's): gate, up and down, or fc1 and fc2."""
         return 3 if self.gated else 2
+
+    @property
+    def expert_params(self) -> int:
+        """Weights of one layer's routed experts (0: a dense MLP): torch's grouped matmul runs them in their own
+        dtype, which autocast does not cast."""
+        return self.experts * self.mlp_matrices * self.hidden * self.intermediate
 
     @property
     def mlp_saved(self) -> float:
@@ -468,17 +699,28 @@ class ModelShape:
         projection and product."""
         return self.activation_saved + (2 if self.gated else 0)
 
+    def _layer_weights(self, experts: int) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        mlp = self.mlp_matrices * self.hidden * self.intermediate
+        return self.hidden * (2 * q + 2 * kv) + (experts * mlp + self.moe_weights if self.experts else mlp)
+
     @property
     def layer_params(self) -> int:
-        """Weights of one layer's matrix multiplications (attention projections and the MLP's matrices)."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return self.hidden * (2 * q + 2 * kv) + self.mlp_matrices * self.hidden * self.intermediate
+        """Weights of one layer's matrix multiplications (attention projections and the MLP's matrices; a mixture of
+        experts': every expert's, the router's and a shared expert's)."""
+        return self._layer_weights(self.experts)
+
+    @property
+    def active_params(self) -> int:
+        """Weights a token's matrix products run through in one layer: `layer_params`, of a mixture of experts its
+        `experts_per_token` experts only."""
+        return self._layer_weights(self.experts_per_token)
 
     @property
     def linear_flop_pairs(self) -> float:
         """A token's linear work in one layer (its matrix products and a layer's share of the LM head), in
         attention token pairs by FLOPs: 2 x weights / (4 x heads x head_dim)."""
-        return 2 * (self.layer_params + self.vocab * self.hidden / self.layers) / (4 * self.heads * self.head_dim)
+        return 2 * (self.active_params + self.vocab * self.hidden / self.layers) / (4 * self.heads * self.head_dim)
 
     @property
     def qkv_params(self) -> int:
@@ -490,24 +732,28 @@ class ModelShape:
                     model: torch.nn.Module | None = None) -> ModelShape:
         """The shape of a decoder from its transformers config (`AutoConfig`; the standard names, which
         transformers maps for GPT-2-style configs too): layers, hidden size, heads, KV heads, head_dim, the MLP's
-        width, form and activation (`mlp_form`, on `model`: the config's, built on the meta device when not given)
-        and the vocabulary.
+        width, form and activation (`mlp_form`, on `model`: the config's, built on the meta device when not given;
+        a mixture of experts': `moe_form`) and the vocabulary.
 
         Raises:
             ValueError: a field the predictions need is missing, the heads do not divide the hidden size (or the
-                key/value heads the query heads), the model routes its tokens to experts, its MLP is of neither
-                form, its layers are of other sizes (`check_matrices`) or of another kind (`layer_windows`); the
-                message names the field and the fix, after `where` (default: the name or model type; a command's
-                flag and file).
+                key/value heads the query heads), the model routes its tokens to experts in a form not modelled
+                (`MOE_FAMILIES`, `moe_form`), its MLP is of neither form, its layers are of other sizes
+                (`check_matrices`) or of another kind (`layer_windows`); the message names the field and the fix,
+                after `where` (default: the name or model type; a command's flag and file).
         """
         where = where or name or getattr(config, "model_type", "the config")
         heads, kv_heads, head_dim = check_decoder(config, where)
         windows = layer_windows(config, where)
         model = model if model is not None else meta_model(config, where)
-        gated, activation = mlp_form(model, config, where)
+        if any(getattr(config, field, None) for field in EXPERT_COUNTS):
+            experts, per_token, width, others, activation = moe_form(model, config, where)
+            gated, moe = True, {"experts": experts, "experts_per_token": per_token, "moe_weights": others}
+        else:
+            (gated, activation), width, moe = mlp_form(model, config, where), intermediate_width(config), {}
         shape = cls(name or config.model_type, config.num_hidden_layers, config.hidden_size, heads, kv_heads,
-                    head_dim, intermediate_width(config),
-                    config.vocab_size, f"config.json of model_type {config.model_type!r}", gated, activation, windows)
+                    head_dim, width, config.vocab_size, f"config.json of model_type {config.model_type!r}", gated,
+                    activation, windows, **moe)
         shape.check_matrices(model, where)
         return shape
 
@@ -516,7 +762,7 @@ class ModelShape:
         layers' matrices or embedding are not this shape's: a field the model does not read (GPT-NeoX's attention
         has no key/value heads of its own), or attention of another form (latent, multi-query by a flag)."""
         layers = decoder_layers(model)
-        matrices = {sum(p.numel() for p in layer.parameters() if p.dim() == 2) for layer in layers}
+        matrices = {sum(p.numel() for p in layer.parameters() if p.dim() >= 2) for layer in layers}  # (experts: 3D)
         embedding = tuple(model.get_input_embeddings().weight.shape)
         if len(layers) != self.layers or matrices != {self.layer_params} or embedding != (self.vocab, self.hidden):
             raise ValueError(f"{where}: the model's {len(layers)} decoder layers hold {sorted(matrices)} matrix "
@@ -527,10 +773,10 @@ class ModelShape:
                              "config.json, or a preset (--model).")
 
     def linear_flops(self, *, recompute: bool) -> tuple[float, float]:
-        """(per token per layer, per token for the LM head) of one training step: 2 FLOPs per weight
-        forward, 4 backward, and 2 more per layer weight for the recomputed forward."""
+        """(per token per layer, per token for the LM head) of one training step: 2 FLOPs per weight a token runs
+        through (`active_params`) forward, 4 backward, and 2 more per layer weight for the recomputed forward."""
         per_weight = 8 if recompute else 6
-        return per_weight * self.layer_params, 6 * self.hidden * self.vocab
+        return per_weight * self.active_params, 6 * self.hidden * self.vocab
 
 
 _QWEN = "Qwen/Qwen2.5-{} config.json on the Hugging Face Hub (as benchmarks/bench_e2e.py MODEL_SHAPES)"

@@ -233,7 +233,7 @@ def layer_time(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clust
     likewise, each rank entering the backward ring when it gets there. Where nothing meets (no estimation:
     dense layers, or the backward without recompute) the layer is still charged from a common start: an
     upper bound."""
-    before = model.qkv_params / model.layer_params  # the share of the layer's weights used before attention
+    before = model.qkv_params / model.active_params  # the share of a token's layer weights used before attention
     backward_linear = 2 * linear  # 4 FLOPs per weight backward, 2 forward
     fwd_s, bwd_s = ring_step_seconds(setup, model, hw, work)
     fwd = simulate_ring(fwd_s, traffic, setup.topology, cluster, backward=False)
@@ -358,7 +358,7 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
     plan = setup.plan
     rank_tokens = torch.tensor([plan.blocks_of(r).numel() * plan.block_size for r in range(plan.cp_size)],
                                dtype=torch.float64)  # a split by documents gives ranks different numbers
-    rank_linear = 2 * model.layer_params * rank_tokens / hw.linear_flops_per_s  # one forward of a layer
+    rank_linear = 2 * model.active_params * rank_tokens / hw.linear_flops_per_s  # one forward of a layer
     tokens = float(rank_tokens.max())
     per_layer_flops, head_flops = model.linear_flops(recompute=recompute)
     linear = per_layer_flops * tokens / hw.linear_flops_per_s  # reported: the busiest rank's

@@ -222,8 +222,10 @@ def _first_layer_saved(model, ids) -> tuple[int, int]:
 # Dense decoders whose layers differ from a Llama one: LayerNorm (GPT-NeoX, Phi, StarCoder2, GPT-2), a fused q/k/v
 # projection (GPT-NeoX, GPT-2), partial rotary (GPT-NeoX, Phi), parallel attention and MLP (GPT-NeoX, Phi), Gemma 3's
 # four norms and q/k norms; the tiny fields' 2 key/value heads are refused where the attention has none of its own.
+# And the mixtures of experts (`shapes.MOE_FAMILIES`: 4 experts, 2 a token), whose block's tensors are measured.
 LAYER_FORMS = {"llama": {}, "gpt_neox": {"num_key_value_heads": 4}, "phi": {}, "starcoder2": {},
-               "gpt2": {"num_key_value_heads": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0}, "gemma3_text": {}}
+               "gpt2": {"num_key_value_heads": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0}, "gemma3_text": {},
+               "mixtral": {}, "olmoe": {}, "qwen2_moe": {}, "qwen3_moe": {}}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "autocast"])
@@ -236,7 +238,10 @@ def test_a_recomputed_layer_of_any_architecture_saves_what_the_model_counts(mode
     layer's post-attention RMSNorm saves its input, the residual sum (which bf16 copies to fp32): 5.9% under before.
     Under autocast (fp32 weights, the Trainer's --bf16) the residual stream is fp32 (the embedding's output) and each
     matrix product saves its own bf16 copy of its input (#50: counted as a bf16 model's layer, 13% under for Qwen2);
-    its copies of the weights are the model's "autocast weight copies", apart."""
+    its copies of the weights are the model's "autocast weight copies", apart. A mixture of experts' layer was refused
+    ("one dense MLP per layer is counted"): its block's router probabilities, gathered tokens and experts'
+    intermediates are now measured too (`shapes.moe_bytes`; its grouped matmuls' int32 offsets, which the count here
+    takes for the layout's, apart)."""
     hf_sparse_cp.patch()
     config = tiny_config(model_type, vocab_size=300, **LAYER_FORMS[model_type])
     torch.manual_seed(0)
@@ -259,7 +264,8 @@ def test_a_recomputed_layer_of_any_architecture_saves_what_the_model_counts(mode
     # (the measurement keeps a LayerNorm's mean and rstd in fp32, as CUDA does; a CPU in the input's dtype)
     norms = sum(isinstance(m, torch.nn.LayerNorm) for m in decoder_layers(model)[0].modules())
     statistics = norms * 2 * s * (4 - model.dtype.itemsize)
-    assert measured + statistics == sum(v for k, v in predicted.items() if k != "layout")
+    offsets = 4 * arch.shape.experts
+    assert measured + statistics + offsets == sum(v for k, v in predicted.items() if k != "layout")
     assert 0 < layout <= predicted["layout"]
 
 
@@ -677,7 +683,8 @@ def test_the_gpu_session_starts_at_the_longest_length_bench_e2e_fits():
 def test_the_memory_command_takes_any_config_and_follows_the_trainers_precision(tmp_path, capsys):
     """Issue #52: `--config` reads a causal LM's config.json (a Llama-3-8B-shaped one); the default precision is the
     Trainer's mixed precision (fp32 master weights), which fits less than a bf16 model; the answer states the
-    validation's error band and the length that fits at its top; a mixture of experts is refused, naming why."""
+    validation's error band and the length that fits at its top; a mixture of experts (Mixtral-8x7B's shape, refused
+    before: "one dense MLP per layer is counted") is predicted with every expert's parameters."""
     config = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
               "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}
     path = tmp_path / "config.json"
@@ -700,10 +707,9 @@ def test_the_memory_command_takes_any_config_and_follows_the_trainers_precision(
     cli_main(["memory", "--config", str(path), "--gpu-memory", "40GB", "--cp", "4", "--fsdp", "4", "--dtype",
               "float16"])
     assert "train a model loaded in float16 (--no-master-weights)" in capsys.readouterr().out
-    path.write_text(json.dumps({**config, "model_type": "mixtral", "num_local_experts": 8}))
-    with pytest.raises(SystemExit):
-        cli_main(base[:-1])
-    assert "num_local_experts=8: a mixture of experts" in capsys.readouterr().err
+    path.write_text(json.dumps({**config, "model_type": "mixtral", "num_local_experts": 8, "vocab_size": 32000}))
+    cli_main([*base, str(tmp_path / "moe.json")])
+    assert json.loads((tmp_path / "moe.json").read_text())["parameters"] == pytest.approx(46.7e9, rel=0.01)
 
 
 @pytest.mark.parametrize("config, message", [
