@@ -1,6 +1,8 @@
 """LoRA fine-tuning as the memory model counts it (`memory_model.StepSettings.lora`, `hf-sparse-cp memory --lora-rank`):
 the adapters PEFT's `get_peft_model(model, LoraConfig(r=rank, target_modules=targets, lora_dropout=dropout))` adds to
-the matrices of every decoder layer of a Llama-like layer (q/k/v/o projections, gate/up/down), and what they save.
+the matrices of every decoder layer of the families whose layers hold a Llama layer's (q/k/v/o projections,
+gate/up/down; `LORA_FAMILIES`: Llama, Mistral, Qwen2/3, Gemma, Gemma 3, Granite; what else a layer saves, its norms',
+is measured), and what they save.
 
 What LoRA changes in a step (measured on a CPU with autograd's saved-tensor hooks, tests/unit/test_memory_lora.py):
 the base model is frozen, so no weight needs a gradient or optimizer state; only the adapters (rank x (in + out) per
@@ -27,9 +29,19 @@ from .shapes import ModelShape
 MODULE_INPUTS = {"q_proj": "norm1", "k_proj": "norm1", "v_proj": "norm1", "o_proj": "attention",
                  "gate_proj": "norm2", "up_proj": "norm2", "down_proj": "mlp"}
 # PEFT's default `target_modules` for the Llama-like families (its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
-# for llama, mistral, qwen2 and qwen3; a test checks it), and its name for every linear layer but the output's.
+# for llama, mistral, qwen2, qwen3, gemma and gemma3_text; a test checks it), and its name for every linear layer but the output's.
 DEFAULT_TARGETS = ("q_proj", "v_proj")
 ALL_LINEAR = "all-linear"
+# The families whose layers LoRA's count was checked on against autograd's hooks (tests/unit/test_memory_lora.py):
+# a Llama layer's matrices (`MODULE_INPUTS`), q/k/v reading a norm's output, gate/up another's (or Gemma 3's second
+# pre-MLP norm's), what else the layer saves measured. Not OLMo2 (no norm before q/k/v: its input is the layer's),
+# nor a parallel block (Cohere: one norm for both), whose adapters' inputs are other tensors.
+LORA_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
+                 "gemma3_text": "Gemma 3", "granite": "Granite"}
+# Why another model is refused LoRA (`memory_model.Architecture.lora_layers`).
+LORA_LAYERS = (f"LoRA is modelled on the decoder layers of {', '.join(LORA_FAMILIES.values())} (a Llama layer's "
+               f"matrices, {', '.join(MODULE_INPUTS)}, each reading a norm's output or the attention's), whose saved "
+               "tensors it counts")
 
 
 def module_features(shape: ModelShape, name: str) -> tuple[int, int]:

@@ -41,7 +41,7 @@ from .arguments import (
     write_output,
 )
 from .kept_curve import DEFAULT_CURVE, KeptCurve
-from .lora import ALL_LINEAR, DEFAULT_TARGETS, MODULE_INPUTS, LoraSettings, resolve_targets
+from .lora import ALL_LINEAR, DEFAULT_TARGETS, LORA_FAMILIES, LORA_LAYERS, MODULE_INPUTS, LoraSettings, resolve_targets
 from .memory_model import (
     GIB,
     PRESETS,
@@ -132,11 +132,12 @@ def build_parser(prog: str = "hf-sparse-cp memory") -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=at_least(1), default=None,
                    help="A LoRA fine-tune (PEFT's get_peft_model; TRL's --use_peft --lora_r, which is taken too): "
                    "adapters of this rank on --lora-targets in every decoder layer, the base model frozen (its "
-                   "weights without gradients or optimizer state; the adapters' in fp32). Default: full fine-tuning.")
+                   "weights without gradients or optimizer state; the adapters' in fp32), on the layers of "
+                   f"{', '.join(LORA_FAMILIES.values())}. Default: full fine-tuning.")
     p.add_argument("--lora-targets", nargs="+", default=None, metavar="MODULE",
                    help=f"With --lora-rank: the layer matrices adapted ({', '.join(MODULE_INPUTS)}, or '{ALL_LINEAR}'; "
-                   f"TRL's --lora_target_modules is taken too). Default: PEFT's for the Llama-like families, "
-                   f"{' '.join(DEFAULT_TARGETS)}.")
+                   f"TRL's --lora_target_modules is taken too). Default: {' '.join(DEFAULT_TARGETS)} (PEFT's for "
+                   "Llama, Mistral, Qwen2/3, Gemma and Gemma 3).")
     p.add_argument("--lora-dropout", type=float, default=0.0,
                    help="With --lora-rank: LoRA's dropout, in [0, 1) (PEFT's lora_dropout; TRL's lora_dropout "
                    "defaults to 0.05): above 0 every adapted input keeps a dropout mask and its own dropped copy.")
@@ -383,11 +384,9 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
                          f"and RMSNorms only ({', '.join(LEAN_LOSS_FAMILIES)}) and refuses them for "
                          f"{model_name(args)}; drop it (its answer is without tiles, as it trains with "
                          "--sparse_token_tiling_min_length 0).")
-        if args.lora_rank is not None and not arch.lean_loss:
-            parser.error(f"--lora-rank: LoRA is modelled on the Llama-like families' decoder layers "
-                         f"({', '.join(LEAN_LOSS_FAMILIES)}), whose matrices and saved tensors it counts, not on "
-                         f"{model_name(args)}'s; drop --lora-rank for full fine-tuning's answer (an upper bound), or "
-                         "give one of those models.")
+        if args.lora_rank is not None and not arch.lora_layers:
+            parser.error(f"--lora-rank: {LORA_LAYERS}, not {model_name(args)}'s; drop --lora-rank for full "
+                         "fine-tuning's answer (an upper bound), or give one of those models.")
         lora_settings(args)  # (its refusals name the flag)
         settings = settings_for_length(args, arch)
         settings(1)  # validates the settings

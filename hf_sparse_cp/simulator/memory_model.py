@@ -38,7 +38,7 @@ from ..config.model_fields import LEAN_LOSS_FAMILIES, decoder_layers
 from ..distributed.heads.split import HeadSplit
 from ..memory.savers import MemorySavers
 from .kept_curve import DEFAULT_CURVE, KeptCurve
-from .lora import MODULE_INPUTS, LoraSettings, module_features
+from .lora import LORA_FAMILIES, LORA_LAYERS, MODULE_INPUTS, LoraSettings, module_features
 from .shapes import (
     MODELS,
     LayerSaved,
@@ -143,7 +143,8 @@ class Architecture:
     its largest parameter where that is not the embedding (`largest_param`: GPT-2's learned positions; 0: none);
     what each decoder layer saves for backward besides its attention core and MLP, measured on the model by
     activation dtype (`layer_saved`: `shapes.LayerSaved`, measured when first read; None: a Llama layer's, counted
-    on its code)."""
+    on its code); whether LoRA's count reads its layers (`lora_layers`: a family of `lora.LORA_FAMILIES` whose layer
+    holds `lora.MODULE_INPUTS` by name and size, and no other matrix)."""
 
     shape: ModelShape
     tied_embeddings: bool
@@ -152,6 +153,7 @@ class Architecture:
     lean_loss: bool = True
     largest_param: int = 0
     layer_saved: Mapping[str, tuple[LayerSaved, ...]] | None = None
+    lora_layers: bool = True
 
     @property
     def name(self) -> str:
@@ -217,7 +219,16 @@ class Architecture:
         saved = _SavedByDtype(model, kv_heads, where, twin=(lambda: meta_model(_llama_twin(config), where))
                               if twin else None)
         return cls(shape, tied, layer - shape.layer_params, rest, lean,
-                   largest if largest > shape.vocab * shape.hidden else 0, saved)
+                   largest if largest > shape.vocab * shape.hidden else 0, saved,
+                   config.model_type in LORA_FAMILIES and _llama_matrices(layers[0], shape))
+
+
+def _llama_matrices(layer: torch.nn.Module, shape: ModelShape) -> bool:
+    """Whether `layer`'s matrices are a Llama layer's of `shape` (`Architecture.lora_layers`): one of each name of
+    `lora.MODULE_INPUTS`, of its (in, out) features, and no other (a fused q/k/v, fc1/fc2, a mixture's experts)."""
+    matrices = [(name.split(".")[-2], tuple(p.shape)) for name, p in layer.named_parameters() if p.dim() >= 2]
+    expected = sorted((name, module_features(shape, name)[::-1]) for name in MODULE_INPUTS)
+    return sorted(matrices) == expected
 
 
 def _llama_twin(config):
@@ -620,10 +631,9 @@ class _Step:
         # LoRA: the adapters' parameters, of one layer and of the model (0: full fine-tuning); checked on the shape
         self.lora = s.lora
         if s.lora is not None:
-            if not arch.lean_loss:
-                raise ValueError(f"{arch.name}: LoRA is modelled on the Llama-like families' decoder layers "
-                                 f"({', '.join(LEAN_LOSS_FAMILIES)}), whose matrices and saved tensors it counts; "
-                                 "predict this model without LoRA (full fine-tuning, an upper bound), or one of those.")
+            if not arch.lora_layers:
+                raise ValueError(f"{arch.name}: {LORA_LAYERS}; predict this model without LoRA (full fine-tuning, an "
+                                 "upper bound), or one of those.")
         self.layer_adapters = s.lora.layer_params(sh) if s.lora else 0
         self.t = rank_tokens(seq_len, s)
         self.tape = _Tape(self.t)

@@ -19,7 +19,7 @@ from hf_sparse_cp.cli import main as cli_main
 from hf_sparse_cp.config.model_fields import LEAN_LOSS_FAMILIES
 from hf_sparse_cp.integration.memory_savers import enable_memory_savers
 from hf_sparse_cp.memory import MemorySavers
-from hf_sparse_cp.simulator.lora import DEFAULT_TARGETS, MODULE_INPUTS, LoraSettings
+from hf_sparse_cp.simulator.lora import DEFAULT_TARGETS, LORA_FAMILIES, MODULE_INPUTS, LoraSettings
 from hf_sparse_cp.simulator.memory_model import (
     PRESETS,
     Architecture,
@@ -63,6 +63,11 @@ CASES = {
     "qwen3-bf16-all-tiled": (torch.bfloat16, False, LoraSettings(8, ALL), True),
     "qwen3-fp32-all": (torch.float32, False, LoraSettings(16, ALL), False),
     "qwen3-autocast-all-dropout": (torch.float32, True, LoraSettings(8, ALL, 0.1), False),
+    "gemma3_text-bf16": (torch.bfloat16, False, LoraSettings(8), False),
+    "gemma3_text-fp32-all": (torch.float32, False, LoraSettings(16, ALL), False),
+    "gemma3_text-autocast-all-dropout": (torch.float32, True, LoraSettings(8, ALL, 0.1), False),
+    "gemma-fp32-all": (torch.float32, False, LoraSettings(16, ALL), False),
+    "granite-autocast-all-dropout": (torch.float32, True, LoraSettings(8, ALL, 0.1), False),
 }
 
 
@@ -74,23 +79,29 @@ def test_a_lora_layer_saves_what_the_model_counts(case):
     adapters an fp32 copy each), fp32 every matrix 9688, autocast q/v 3960 (the layer input fp32, the residual stream
     under autocast; #50: counted with a bf16 input before, 4472), bf16 tiled every matrix 3472 (full 1808).
     Qwen3's q/k norms keep their fp32 inputs and rsqrt besides (bf16 q/v: 5808; the Llama layer's count, which a LoRA
-    prediction gave it before, 5016): measured on its model with the layers' weights frozen."""
+    prediction gave it before, 5016): measured on its model with the layers' weights frozen. Gemma 3's layer (four
+    RMSNorms, q/k norms, each saving its fp32 input and its 1 + weight; LoRA refused there before #50 as no Llama-like
+    family's) likewise: bf16 q/v 6840 per token, and 2304 bytes of its norms' 1 + weight; Gemma's and Granite's."""
     dtype, autocast, lora, tiled = CASES[case]
-    config = tiny_config("qwen3" if case.startswith("qwen3") else "qwen2", vocab_size=300, intermediate_size=352)
+    family = case.split("-")[0] if case.split("-")[0] in LORA_FAMILIES else "qwen2"
+    config = tiny_config(family, vocab_size=300, intermediate_size=352)
     model = _lora_model(config, dtype, lora)
     base = model.base_model.model
     if tiled:
         enable_memory_savers(base, MemorySavers(tiled=True, tile_tokens=96))
     layer, s = base.model.layers[0], 512
     x = torch.randn(1, s, config.hidden_size, dtype=dtype, requires_grad=True)  # (autocast: the fp32 residual)
-    cos_sin = base.model.rotary_emb(x, torch.arange(s).unsqueeze(0))
+    # (Gemma 3's rotary embedding is the layer type's)
+    layer_type = (config.layer_types[0],) if family == "gemma3_text" else ()
+    cos_sin = base.model.rotary_emb(x, torch.arange(s).unsqueeze(0), *layer_type)
     known = {t.untyped_storage().data_ptr() for t in (x, *cos_sin, *layer.parameters())}
     seen: dict[int, int] = {}
 
     def pack(t):
         storage = t.untyped_storage()
-        # (activations: a token dimension; not the layout's int32 tensors)
-        if storage.data_ptr() not in known and t.dtype != torch.int32 and s in t.shape:
+        # (activations: a token dimension, and what a norm makes of its weight, Gemma's 1 + weight; not the layout's
+        # int32 tensors, nor autocast's weight copies: their own term)
+        if storage.data_ptr() not in known and t.dtype != torch.int32 and (s in t.shape or t.dim() == 1):
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
@@ -132,11 +143,12 @@ def test_a_lora_step_holds_what_the_model_predicts():
     assert full_5 - full_1 > 1.25 * (measured_5 - measured_1)
 
 
-def test_the_trained_parameters_gradients_and_optimizer_state_are_the_adapters():
+@pytest.mark.parametrize("family", ["qwen2", "gemma3_text"])
+def test_the_trained_parameters_gradients_and_optimizer_state_are_the_adapters(family):
     """The trainable parameters are PEFT's own count (`get_nb_trainable_parameters`) for its default targets and for
     every matrix; after a step, the gradients held and AdamW's state are the fp32 adapters' alone (PEFT upcasts a
-    bf16 model's adapters), as the model predicts at the optimizer step."""
-    config = tiny_config("qwen2", vocab_size=300, intermediate_size=352)
+    bf16 model's adapters), as the model predicts at the optimizer step; Gemma 3's through its stock loss."""
+    config = tiny_config(family, vocab_size=300, intermediate_size=352)
     arch = Architecture.from_config(config)
     for lora in (LoraSettings(8), LoraSettings(16, ALL, 0.05)):
         model = _lora_model(config, torch.bfloat16, lora)
@@ -156,10 +168,10 @@ def test_the_trained_parameters_gradients_and_optimizer_state_are_the_adapters()
 
 
 def test_the_default_targets_are_pefts_for_the_llama_like_families():
-    """`--lora-targets`' default is PEFT's `target_modules` default for every family the LoRA model counts."""
+    """`--lora-targets`' default is PEFT's `target_modules` default for the families it names."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
 
-    for family in LEAN_LOSS_FAMILIES:
+    for family in (*LEAN_LOSS_FAMILIES, "gemma", "gemma3_text"):
         assert tuple(DEFAULTS[family]) == DEFAULT_TARGETS
 
 
@@ -208,15 +220,24 @@ def test_the_memory_command_refuses_lora_settings_that_describe_no_fine_tune(arg
 
 def test_lora_on_a_model_whose_layers_it_does_not_count_is_refused_and_an_adapters_folder_names_its_flags(
         tmp_path, capsys):
-    """LoRA is counted on the Llama-like layers: another architecture's config is refused naming the flag; a LoRA
-    adapter's folder, refused as no model, names the flags that predict its training."""
-    config = tmp_path / "neox"
-    config.mkdir()
-    (config / "config.json").write_text(json.dumps(dict(tiny_config("gpt_neox", num_key_value_heads=4).to_dict())))
-    with pytest.raises(SystemExit):
-        cli_main(["memory", "--config", str(config), "--lora-rank", "8", "--quiet"])
-    err = capsys.readouterr().err
-    assert "--lora-rank: LoRA is modelled on the Llama-like families' decoder layers" in err, err
+    """LoRA is counted on the layers of `lora.LORA_FAMILIES`: another architecture's config (a fused q/k/v, fc1/fc2;
+    a mixture's experts; OLMo2's q/k/v reading the layer's input, not a norm's output, where the count was 5% over)
+    is refused naming the flag, Gemma 3's answered (refused before #50, as no Llama-like family's); a LoRA adapter's
+    folder, refused as no model, names the flags that predict its training."""
+    for family, fields in (("gpt_neox", {"num_key_value_heads": 4}), ("mixtral", {}), ("olmo2", {})):
+        config = tmp_path / family
+        config.mkdir()
+        (config / "config.json").write_text(json.dumps(dict(tiny_config(family, **fields).to_dict())))
+        with pytest.raises(SystemExit):
+            cli_main(["memory", "--config", str(config), "--lora-rank", "8", "--quiet"])
+        err = capsys.readouterr().err
+        assert ("--lora-rank: LoRA is modelled on the decoder layers of Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3, "
+                "Granite (a Llama layer's matrices, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, "
+                "each reading a norm's output or the attention's), whose saved tensors it counts, not") in err, err
+    gemma = tmp_path / "gemma3"
+    tiny_config("gemma3_text", vocab_size=300).save_pretrained(gemma)
+    assert cli_main(["memory", "--config", str(gemma), "--lora-rank", "8", "--seq-len", "4096"]) == 0
+    assert "LoRA rank 8 on q_proj, v_proj (base weights frozen)" in capsys.readouterr().out
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({
