@@ -614,7 +614,7 @@ def check_decoder(config: Any, where: str) -> tuple[int, int, int]:
     experts = sorted((field for field in EXPERT_COUNTS if getattr(config, field, None)), key=lambda f: f in aliases)
     family = getattr(config, "model_type", None)
     if experts and family not in MOE_FAMILIES:
-        why = MOE_REFUSED.get(family, "a form they are not checked on")
+        why = MOE_REFUSED.get(family, "experts and routing (a form they are not checked on)")
         raise ValueError(f"{where}: {experts[0]}={getattr(config, experts[0])}: a mixture of experts of model_type "
                          f"{family!r}, whose {why} the predictions do not model (they model the experts of "
                          f"{', '.join(MOE_FAMILIES)}); give the config.json of one of those or of a dense model, or a "

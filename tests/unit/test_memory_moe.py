@@ -137,12 +137,15 @@ def test_the_memory_command_answers_for_a_mixture_of_experts_config(model_type, 
                                  "sinks, and experts with biases and a clamped SwiGLU"),
     (dict(model_type="deepseek_v3"), "n_routed_experts=4: a mixture of experts of model_type 'deepseek_v3', whose "
                                      "latent attention (MLA)"),
+    (dict(model_type="granitemoe"), "num_local_experts=4: a mixture of experts of model_type 'granitemoe', whose "
+                                    "experts and routing (a form they are not checked on) the predictions do not "
+                                    "model"),
     (dict(model_type="mixtral", output_router_logits=True), "output_router_logits=True: the stock loss adds the "
                                                             "router's auxiliary loss"),
     (dict(model_type="mixtral", router_jitter_noise=0.1), "router_jitter_noise=0.1"),
     (dict(model_type="qwen3_moe", mlp_only_layers=[0]), "decoder layers [0] of 2 have a dense MLP and the others "
                                                         "experts (mlp_only_layers=[0], decoder_sparse_step=1)"),
-], ids=["gpt-oss", "deepseek-v3", "router-aux-loss", "router-jitter", "dense-layers"])
+], ids=["gpt-oss", "deepseek-v3", "another-family", "router-aux-loss", "router-jitter", "dense-layers"])
 def test_a_mixture_of_experts_the_predictions_do_not_model_is_refused_naming_why(fields, message, tmp_path, capsys):
     """The mixtures of experts whose form the predictions do not model stay refused, the message naming the family or
     field, why, and what to give instead."""
