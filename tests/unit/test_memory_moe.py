@@ -155,3 +155,19 @@ def test_a_mixture_of_experts_the_predictions_do_not_model_is_refused_naming_why
     err = capsys.readouterr().err
     assert refused.value.code == 2 and "Traceback" not in err, err
     assert message in err, err
+
+
+def test_a_mixture_of_experts_counting_its_experts_in_a_section_is_refused_as_one(tmp_path, capsys):
+    """DBRX's expert count is ffn_config.moe_num_experts: the command said 'no intermediate_size in the config ...
+    add the missing field(s)', a fix that only led to the next refusal (its blocks have no `mlp`). It is refused as a
+    mixture of experts of a form not modelled, naming the field."""
+    from transformers import DbrxConfig
+
+    DbrxConfig(d_model=64, n_heads=4, n_layers=2, vocab_size=300,
+               ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["memory", "--config", str(tmp_path), "--quiet"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "Traceback" not in err, err
+    assert "ffn_config.moe_num_experts=4: a mixture of experts of model_type 'dbrx', whose experts and routing" in err
+    assert "intermediate_size" not in err, err
