@@ -93,6 +93,10 @@ def _refuse_given_twice(sections: Mapping[str, Mapping[str, Any]], flat: Mapping
         first, second = twins[0]
         raise ValueError(f"{first} and {second} give one field two values in one mapping: keep one of them (the "
                          "section's key or the flat one).")
+    if isinstance(budget.get("mode"), str):
+        # the section's mode before its keys: the fields of a mode nobody registered (yet: a launcher's check, before
+        # the script registers it) are its own, and a mode's name is the error to report (`UnregisteredVariant`)
+        budget_class(budget["mode"])
     refuse_unknown("budget", budget, budget_keys())
     mode = flat.get("budget_mode")
     others = [name for name in budget if name != "mode" and name not in field_names(budget_class(mode))] \

@@ -27,10 +27,11 @@ from .files import (
 )
 from .flat_keys import nested
 from .model_fields import language_config
-from .registries import ENGINES_SETTING
+from .registries import ENGINES_SETTING, is_plugin
 from .sections import (
     BudgetSection,
     Scoring,
+    budget_class,
     budget_field_names,
     budget_from,
     default_budget,
@@ -381,10 +382,13 @@ class SparseAttentionConfig(FileConfig):
         fields = [f"{name}={value!r}" for name, value in budget.items() if name != "mode"]
         if fields and (str(path), mode) not in _WARNED_UNREAD:  # (once: the arguments build their config often)
             _WARNED_UNREAD.add((str(path), mode))
+            # (a mode of one's own has no flags: its fields go in the file)
+            where = (f"in the file's budget section (mode: {mode}; a budget mode of your own has no flags)"
+                     if is_plugin(budget_class(mode)) else "as flags")
             logger.warning("--sparse_budget_mode: budget_mode=%r replaces the %r budget of %s whole: its %s are not "
-                           "read (a budget holds one mode's fields); give the %s budget's fields as flags, or drop "
+                           "read (a budget holds one mode's fields); give the %s budget's fields %s, or drop "
                            "--sparse_budget_mode to run the file's.", mode, config.budget.mode, path,
-                           ", ".join(fields), mode)
+                           ", ".join(fields), mode, where)
 
     @classmethod
     def layered(cls, lower: Mapping[str, Any], upper: Mapping[str, Any]) -> SparseAttentionConfig:

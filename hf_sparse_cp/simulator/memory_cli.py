@@ -322,16 +322,36 @@ def predict(args: argparse.Namespace, capacity: float, arch: Architecture | None
 MODEL_STATE_TERMS = ("weights", "gradients", "optimizer state", "optimizer step temporaries", "autocast weight copies")
 
 
-def _shortest_fix(args: argparse.Namespace, arch: Architecture) -> tuple[int, MemoryEstimate, str]:
-    """The shortest length tried (`GRANULARITY` tokens per rank), its prediction and what would fit it on a GPU
-    that it outgrows: the model's state (FSDP shards it), or the terms of the sequence (at a high CP degree the
+# The largest FSDP degree `_shortest_fix` tries for a model's state that outgrows a GPU.
+FSDP_SEARCH_LIMIT = 4096
+
+
+def _fsdp_that_fits(args: argparse.Namespace, arch: Architecture, budget: float) -> int | None:
+    """The smallest FSDP degree above --fsdp, doubling from one that shards over whole CP groups, at which a length
+    fits `budget` (`longest_length`: a checkpointed length may fit where the shortest, run without, does not; None:
+    none up to `FSDP_SEARCH_LIMIT`)."""
+    degree = max(2 * args.fsdp, args.cp)
+    while degree <= FSDP_SEARCH_LIMIT:
+        if longest_length(argparse.Namespace(**{**vars(args), "fsdp": degree}), arch, budget):
+            return degree
+        degree *= 2
+    return None
+
+
+def _shortest_fix(args: argparse.Namespace, arch: Architecture, budget: float) -> tuple[int, MemoryEstimate, str]:
+    """The shortest length tried (`GRANULARITY` tokens per rank), its prediction and what would fit it within `budget`
+    on a GPU that it outgrows: the model's state (FSDP shards it: the degree at which it fits, #50: the next degree
+    up was named, where Qwen3-235B-A22B at --fsdp 8 needs 64), or the terms of the sequence (at a high CP degree the
     shortest length is long: attention layouts span every key block of it)."""
     shortest = GRANULARITY * args.cp
     settings = settings_for_length(args, arch)(shortest)
     est = predict_step_memory(arch, shortest, settings)
     state = sum(b for t, b in est.terms().items() if t in MODEL_STATE_TERMS)
     if state >= est.peak_bytes / 2:  # (the model's state is most of the peak)
-        fixes = [f"shard the model's state over more ranks (--fsdp {max(2 * args.fsdp, args.cp)})"] + (
+        degree = _fsdp_that_fits(args, arch, budget)
+        shard = (f"--fsdp {degree}, where a length fits" if degree else
+                 f"--fsdp {max(2 * args.fsdp, args.cp)} or more: it fits at none up to {FSDP_SEARCH_LIMIT}")
+        fixes = [f"shard the model's state over more ranks ({shard})"] + (
             [f"train a model loaded in {args.dtype} (--no-master-weights)"] if settings.autocast else [])
         return shortest, est, f"{', '.join(fixes)} or use a larger GPU"
     fewer = f"fewer CP ranks (--cp {args.cp // 2}) try shorter sequences, or " if args.cp > 1 else ""
@@ -340,7 +360,7 @@ def _shortest_fix(args: argparse.Namespace, arch: Architecture) -> tuple[int, Me
 
 def _nothing_fits(args: argparse.Namespace, arch: Architecture, budget: float) -> str:
     """Why not even the shortest length tried fits, from its prediction (`_shortest_fix`)."""
-    shortest, est, fix = _shortest_fix(args, arch)
+    shortest, est, fix = _shortest_fix(args, arch, budget)
     largest = ", ".join(f"{t} {_gb(b)}" for t, b in list(est.terms().items())[:3])
     return (f"Not even {shortest:,} tokens ({shortest // args.cp:,} per rank, the shortest length tried) fit: the "
             f"peak there is {_gb(est.peak_bytes)} of the {_gb(budget)} usable (largest terms: {largest}); {fix}.")
@@ -349,7 +369,7 @@ def _nothing_fits(args: argparse.Namespace, arch: Architecture, budget: float) -
 def _none_at_band_top(args: argparse.Namespace, arch: Architecture, budget: float) -> str:
     """What the margin of the measured band leaves where no length fits with it (#50: this read "with that margin,
     0 tokens"): the shortest length tried, its peak at the band's top, and the fix."""
-    shortest, est, fix = _shortest_fix(args, arch)
+    shortest, est, fix = _shortest_fix(args, arch, budget / MEASURED_BAND[1])
     return (f"not even {shortest:,} tokens, the shortest length tried (its peak, {_gb(est.peak_bytes)}, is "
             f"{_gb(est.peak_bytes * MEASURED_BAND[1])} at the band's top, over the {_gb(budget)} usable; {fix})")
 

@@ -602,6 +602,20 @@ def layer_windows(config: Any, where: str) -> tuple[int | None, ...]:
     return windows if any(w is not None for w in windows) else ()
 
 
+def _sectioned_expert_counts(config: Any) -> list[str]:
+    """'section.field=count' of every positive expert count (a field ending in `num_experts`) in a section of `config`
+    (a nested config or mapping, e.g. DBRX's `ffn_config.moe_num_experts`), but a model of its own (a multimodal
+    config's `text_config`, which the text-config refusal names)."""
+    found = []
+    for name, section in vars(config).items():
+        fields_ = section.to_dict() if hasattr(section, "to_dict") else section
+        if name.startswith("_") or not isinstance(fields_, dict) or fields_.get("model_type"):
+            continue
+        found += [f"{name}.{key}={value}" for key, value in fields_.items() if str(key).endswith("num_experts")
+                  and isinstance(value, int) and not isinstance(value, bool) and value > 0]
+    return found
+
+
 def check_decoder(config: Any, where: str) -> tuple[int, int, int]:
     """(heads, key/value heads, head_dim) of a decoder's transformers config, after `ModelShape.from_config`'s checks
     of its fields (run before a model is built from it, whose own errors would name less).
@@ -613,9 +627,12 @@ def check_decoder(config: Any, where: str) -> tuple[int, int, int]:
     aliases = getattr(config, "attribute_map", {})
     experts = sorted((field for field in EXPERT_COUNTS if getattr(config, field, None)), key=lambda f: f in aliases)
     family = getattr(config, "model_type", None)
-    if experts and family not in MOE_FAMILIES:
-        why = MOE_REFUSED.get(family, "a form they are not checked on")
-        raise ValueError(f"{where}: {experts[0]}={getattr(config, experts[0])}: a mixture of experts of model_type "
+    # (a count in a section of the config, DBRX's ffn_config.moe_num_experts: refused as such, not for the fields
+    # its top level lacks, whose fix would name only the next refusal)
+    given = [f"{experts[0]}={getattr(config, experts[0])}"] if experts else _sectioned_expert_counts(config)
+    if given and family not in MOE_FAMILIES:
+        why = MOE_REFUSED.get(family, "experts and routing (a form they are not checked on)")
+        raise ValueError(f"{where}: {given[0]}: a mixture of experts of model_type "
                          f"{family!r}, whose {why} the predictions do not model (they model the experts of "
                          f"{', '.join(MOE_FAMILIES)}); give the config.json of one of those or of a dense model, or a "
                          "preset (--model).")

@@ -1559,6 +1559,28 @@ def test_a_config_file_naming_a_variant_the_script_registers_is_read_after_the_s
     assert "mode=['own_mode'] (list) is not valid" in err and "script's path" not in err
 
 
+def test_a_config_file_giving_the_fields_of_a_budget_mode_the_script_registers_is_read_after_the_script_path(
+        started, monkeypatch, tmp_path, capsys):
+    """A budget mode of one's own with fields: they go in the --sparse_config file (the mode has no flags), whose
+    budget section the launcher read for its keys before its mode, refusing the file ('Unknown budget key
+    'share'') among the script's arguments, where the script registers the mode, and naming no mode before its path
+    (#50). The section's mode is read first: after the path the file is left to the processes, before it the
+    refusal names the mode and where the file goes."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(processes, "accelerator_count", lambda: 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "sparse.yaml").write_text("budget:\n  mode: own_budget\n  share: 0.25\n")
+    assert cli.main(["launch", "--nproc", "2", "train.py", "--sparse_config", "sparse.yaml", "--use_cpu"]) == 0
+    assert started[-1][-4:] == ["train.py", "--sparse_config", "sparse.yaml", "--use_cpu"]
+    err = _refused(capsys, ["launch", "--nproc", "2", "--sparse_config", "sparse.yaml", "train.py"], cli.main)
+    assert "budget_mode='own_budget' (str) is not valid: use one of 'topk', 'topp', 'mass'" in err, err
+    assert "goes after its path" in err and "Unknown budget key" not in err, err
+
+
 OWN_RING_SCRIPT = textwrap.dedent("""
     from transformers import HfArgumentParser, TrainingArguments
     from hf_sparse_cp.distributed import register_cp_mode

@@ -900,9 +900,21 @@ def test_nothing_fitting_for_the_models_state_names_an_fsdp_degree_the_cp_degree
     at --cp 4 it said --fsdp 2, which the command refuses (FSDP2 shards over every rank of a CP group)."""
     cli_main(["memory", "--model", "qwen2.5-7b", "--no-master-weights", "--cp", "4"])
     said = capsys.readouterr().out.splitlines()[1]
-    assert said.startswith("Not even 4,096 tokens") and "(--fsdp 4)" in said, said
+    assert said.startswith("Not even 4,096 tokens") and "(--fsdp 4, where a length fits)" in said, said
     assert memory_cli.main(["--model", "qwen2.5-7b", "--no-master-weights", "--cp", "4", "--fsdp", "4",
                             "--quiet"])["longest_fitting_tokens"] > 0
+
+
+def test_nothing_fitting_for_the_models_state_names_the_fsdp_degree_at_which_a_length_fits(capsys):
+    """The FSDP degree named for a model's state too large for one GPU was the next one up (twice --fsdp), where
+    nothing fits either (Qwen3-235B-A22B at --fsdp 8 named --fsdp 16, where it fits at 64; here Qwen2.5-7B on a
+    24 GB GPU named --fsdp 2): it names the smallest degree, doubling, at which a length fits (#50)."""
+    flags = ["--model", "qwen2.5-7b", "--no-master-weights", "--gpu-memory", "24GB"]
+    cli_main(["memory", *flags])
+    said = capsys.readouterr().out.splitlines()[1]
+    assert said.startswith("Not even 1,024 tokens") and "(--fsdp 4, where a length fits)" in said, said
+    assert memory_cli.main([*flags, "--fsdp", "2", "--quiet"])["longest_fitting_tokens"] == 0
+    assert memory_cli.main([*flags, "--fsdp", "4", "--quiet"])["longest_fitting_tokens"] > 0
 
 
 def test_no_length_fitting_within_the_measured_band_says_so_and_names_the_fix(capsys):
@@ -912,7 +924,8 @@ def test_no_length_fitting_within_the_measured_band_says_so_and_names_the_fix(ca
     said = capsys.readouterr().out.splitlines()[1]
     assert said.startswith("Longest sequence that fits: 83,968 tokens") and "0 tokens" not in said, said
     assert "with that margin, not even 1,024 tokens, the shortest length tried (its peak, 61.7 GB, is 77.8 GB at " \
-           "the band's top, over the 72.0 GB usable; shard the model's state over more ranks (--fsdp 2)" in said, said
+           "the band's top, over the 72.0 GB usable; shard the model's state over more ranks (--fsdp 2, where a " \
+           "length fits)" in said, said
 
 
 def test_a_config_without_layers_or_heads_is_refused(tmp_path, capsys):

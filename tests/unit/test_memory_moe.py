@@ -137,12 +137,15 @@ def test_the_memory_command_answers_for_a_mixture_of_experts_config(model_type, 
                                  "sinks, and experts with biases and a clamped SwiGLU"),
     (dict(model_type="deepseek_v3"), "n_routed_experts=4: a mixture of experts of model_type 'deepseek_v3', whose "
                                      "latent attention (MLA)"),
+    (dict(model_type="granitemoe"), "num_local_experts=4: a mixture of experts of model_type 'granitemoe', whose "
+                                    "experts and routing (a form they are not checked on) the predictions do not "
+                                    "model"),
     (dict(model_type="mixtral", output_router_logits=True), "output_router_logits=True: the stock loss adds the "
                                                             "router's auxiliary loss"),
     (dict(model_type="mixtral", router_jitter_noise=0.1), "router_jitter_noise=0.1"),
     (dict(model_type="qwen3_moe", mlp_only_layers=[0]), "decoder layers [0] of 2 have a dense MLP and the others "
                                                         "experts (mlp_only_layers=[0], decoder_sparse_step=1)"),
-], ids=["gpt-oss", "deepseek-v3", "router-aux-loss", "router-jitter", "dense-layers"])
+], ids=["gpt-oss", "deepseek-v3", "another-family", "router-aux-loss", "router-jitter", "dense-layers"])
 def test_a_mixture_of_experts_the_predictions_do_not_model_is_refused_naming_why(fields, message, tmp_path, capsys):
     """The mixtures of experts whose form the predictions do not model stay refused, the message naming the family or
     field, why, and what to give instead."""
@@ -152,3 +155,19 @@ def test_a_mixture_of_experts_the_predictions_do_not_model_is_refused_naming_why
     err = capsys.readouterr().err
     assert refused.value.code == 2 and "Traceback" not in err, err
     assert message in err, err
+
+
+def test_a_mixture_of_experts_counting_its_experts_in_a_section_is_refused_as_one(tmp_path, capsys):
+    """DBRX's expert count is ffn_config.moe_num_experts: the command said 'no intermediate_size in the config ...
+    add the missing field(s)', a fix that only led to the next refusal (its blocks have no `mlp`). It is refused as a
+    mixture of experts of a form not modelled, naming the field."""
+    from transformers import DbrxConfig
+
+    DbrxConfig(d_model=64, n_heads=4, n_layers=2, vocab_size=300,
+               ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["memory", "--config", str(tmp_path), "--quiet"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "Traceback" not in err, err
+    assert "ffn_config.moe_num_experts=4: a mixture of experts of model_type 'dbrx', whose experts and routing" in err
+    assert "intermediate_size" not in err, err

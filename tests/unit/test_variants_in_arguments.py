@@ -173,3 +173,23 @@ def test_every_field_naming_a_registered_variant_is_a_flag_that_reads_its_regist
     reading = {name for name, f in fields.items() if f.metadata.get("action") is VariantFlag}
     assert reading == set(SparseTrainingArguments.REGISTERED_FIELDS) == {
         "cp_mode", "sparse_budget_mode", "sparse_attention_engine", "smet_mode"}
+
+
+def test_a_budget_mode_of_ones_own_over_a_files_budget_names_the_file_for_its_fields(registered, tmp_path, caplog):
+    """`--sparse_budget_mode own_budget` over a file's topk budget warned 'give the own_budget budget's fields as
+    flags', which a budget mode of one's own does not have (#50): its fields go in the file's budget section. A
+    built-in mode's fields are still named as flags."""
+    from hf_sparse_cp import SparseAttentionConfig
+
+    topk = tmp_path / "topk.yaml"
+    topk.write_text("budget:\n  mode: topk\n  vertical_topk: 64\n")
+    with caplog.at_level("WARNING"):
+        config = SparseAttentionConfig.from_file_and_flags(topk, {"budget_mode": "own_budget"},
+                                                           explicit={"budget_mode"})
+    assert config.budget.mode == "own_budget"
+    assert ("give the own_budget budget's fields in the file's budget section (mode: own_budget; a budget mode of "
+            "your own has no flags)") in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        SparseAttentionConfig.from_file_and_flags(topk, {"budget_mode": "mass"}, explicit={"budget_mode"})
+    assert "give the mass budget's fields as flags" in caplog.text, caplog.text
