@@ -177,6 +177,8 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
     usage, 'PROG: error: MESSAGE', exit status 2)."""
     p = build_parser(prog)
     args = p.parse_args(argv)
+    if args.config is not None:  # (the preset default is not the model: the report's arguments said qwen2.5-3b)
+        args.model = None
     args.configs = args.configs or (list(CONFIGURATIONS) if args.all else list(DEFAULT_CONFIGS))
     args.mtraining = args.all if args.mtraining is None else args.mtraining
     if not args.mtraining and all(CONFIGURATIONS[name].kind != "sparse" for name in args.configs):

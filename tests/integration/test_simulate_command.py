@@ -259,3 +259,17 @@ def test_lengths_below_the_checkpointing_threshold_are_predicted_without_the_rec
     assert trained[8192]["attention_fwd_s"] == pytest.approx(recomputed[8192]["attention_fwd_s"])
     assert trained[8192]["step_s"] < recomputed[8192]["step_s"] - trained[8192]["attention_fwd_s"] / 2
     assert trained[16384]["step_s"] == pytest.approx(recomputed[16384]["step_s"])
+
+
+def test_a_config_s_report_names_no_preset(tmp_path, capsys):
+    """`simulate --config DIR --json` recorded the preset default (`"model": "qwen2.5-3b"`) among its arguments beside
+    the config it simulated (#50): the report's arguments name the config alone."""
+    from hf_sparse_cp.cli import main
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    tiny_config("qwen2", vocab_size=300).save_pretrained(tmp_path / "tiny")
+    main(["simulate", "--config", str(tmp_path / "tiny"), "--seq", "8192", "--cp", "2", "--configs", "dense ring",
+          "--json", str(tmp_path / "sim.json"), "--png", str(tmp_path / "sim.png")])
+    capsys.readouterr()
+    report = json.loads((tmp_path / "sim.json").read_text())
+    assert report["args"]["model"] is None and report["args"]["config"] == str(tmp_path / "tiny")
