@@ -1,4 +1,5 @@
-"""The measured training step the memory model's step tests compare against (test_memory_model, test_memory_lora)."""
+"""The measured training step the memory model's step tests compare against (test_memory_model, test_memory_lora,
+test_memory_moe)."""
 
 import torch
 
@@ -32,3 +33,24 @@ def recorded_step_peak(build_model) -> int:
         if enabled:
             disable_lean_loss()
     return recorder.peak_bytes
+
+
+def unchecked_step_peak(config, pattern) -> tuple[int, float]:
+    """(measured, predicted) bytes at the peak of a bf16 step (forward, loss, backward) without gradient checkpointing
+    of a `sparse_cp` model of `config` on `pattern`, the weights apart."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_sparse_cp
+    from hf_sparse_cp.simulator.memory_model import Architecture, StepSettings, predict_step_memory
+
+    def build():
+        hf_sparse_cp.patch()
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sparse_cp", dtype=torch.bfloat16)
+        hf_sparse_cp.configure(model, pattern)
+        return model.train()
+
+    measured = recorded_step_peak(build)
+    est = predict_step_memory(Architecture.from_config(config), STEP_TOKENS, StepSettings(
+        device="cpu", pattern=pattern, gradient_checkpointing=False, optimizer="none"))
+    return measured, est.peak_bytes - est.terms("optimizer")["weights"]

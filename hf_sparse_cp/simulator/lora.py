@@ -28,8 +28,9 @@ from .shapes import ModelShape
 # RMSNorm's output, 'mlp': act(gate) * up), and its (in, out) features.
 MODULE_INPUTS = {"q_proj": "norm1", "k_proj": "norm1", "v_proj": "norm1", "o_proj": "attention",
                  "gate_proj": "norm2", "up_proj": "norm2", "down_proj": "mlp"}
-# PEFT's default `target_modules` for the Llama-like families (its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
-# for llama, mistral, qwen2, qwen3, gemma and gemma3_text; a test checks it), and its name for every linear layer but the output's.
+# PEFT's default `target_modules` for the Llama-like families and Gemma's (its
+# TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING for llama, mistral, qwen2, qwen3, gemma and gemma3_text; a test
+# checks it), and its name for every linear layer but the output's.
 DEFAULT_TARGETS = ("q_proj", "v_proj")
 ALL_LINEAR = "all-linear"
 # The families whose layers LoRA's count was checked on against autograd's hooks (tests/unit/test_memory_lora.py):

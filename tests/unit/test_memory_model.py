@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from memory_steps import STEP_TOKENS, recorded_step_peak, step_config
+from memory_steps import step_config, unchecked_step_peak
 from transformers import AutoModelForCausalLM
 
 import hf_sparse_cp
@@ -1050,30 +1050,13 @@ def test_a_mixture_of_experts_is_refused_naming_the_field_its_config_json_holds(
     assert f"--config {tmp_path}: n_routed_experts=8: a mixture of experts" in err, err
 
 
-def _unchecked_step_peak(layers: int) -> tuple[int, float]:
-    """(measured, predicted) bytes at the peak of a step (forward, lean loss, backward) of a bf16 Qwen2 of `layers`
-    layers without gradient checkpointing, the weights apart."""
-    config = step_config(layers)
-
-    def build():
-        hf_sparse_cp.patch()
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sparse_cp", dtype=torch.bfloat16)
-        configure(model, PATTERN)
-        return model.train()
-
-    measured = recorded_step_peak(build)
-    est = predict_step_memory(Architecture.from_config(config), STEP_TOKENS, StepSettings(
-        device="cpu", pattern=PATTERN, gradient_checkpointing=False, optimizer="none"))
-    return measured, est.peak_bytes - est.terms("optimizer")["weights"]
-
-
 def test_a_step_without_gradient_checkpointing_holds_every_layers_saved_tensors():
     """Issue #50: `StepSettings(gradient_checkpointing=False)` was predicted as a checkpointed step, every layer's
     activations but one left out (training runs without checkpointing below --sparse_gradient_checkpointing_min_length).
     What four more layers add to the peak, measured by the allocation recorder at 1K tokens: 72.0 MiB; predicted
     6.2 before (their weights' gradients), 74.1 now."""
-    (measured_1, predicted_1), (measured_5, predicted_5) = _unchecked_step_peak(1), _unchecked_step_peak(5)
+    (measured_1, predicted_1), (measured_5, predicted_5) = (unchecked_step_peak(step_config(n), PATTERN)
+                                                            for n in (1, 5))
     assert predicted_5 - predicted_1 == pytest.approx(measured_5 - measured_1, rel=0.1)
 
 

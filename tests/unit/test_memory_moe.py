@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
+from memory_steps import unchecked_step_peak
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import hf_sparse_cp
-from hf_sparse_cp import SparseAttentionConfig, configure
+from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.cli import main as cli_main
 from hf_sparse_cp.config.model_fields import decoder_layers
 from hf_sparse_cp.simulator import shapes
@@ -47,26 +47,11 @@ def test_a_mixture_of_experts_block_allocates_on_the_meta_device_what_it_does_on
     assert measured.saved[0].per_token > 2 * 4 * config.hidden_size  # (k copies of each token, at the least)
 
 
-def _unchecked_step(model_type: str, layers: int) -> tuple[int, float]:
-    """(measured, predicted) bytes at the peak of a bf16 step without gradient checkpointing of a mixture of experts of
-    `layers` layers, wide experts (their tensors dominate), the weights apart (`memory_steps.recorded_step_peak`)."""
-    from memory_steps import STEP_TOKENS, recorded_step_peak
-
-    config = tiny_config(model_type, vocab_size=256, num_hidden_layers=layers, hidden_size=128, intermediate_size=2048,
-                         moe_intermediate_size=2048, shared_expert_intermediate_size=2048, num_attention_heads=2,
-                         num_key_value_heads=1)
-
-    def build():
-        hf_sparse_cp.patch()
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sparse_cp", dtype=torch.bfloat16)
-        configure(model, PATTERN)
-        return model.train()
-
-    measured = recorded_step_peak(build)
-    est = predict_step_memory(Architecture.from_config(config), STEP_TOKENS, StepSettings(
-        device="cpu", pattern=PATTERN, gradient_checkpointing=False, optimizer="none"))
-    return measured, est.peak_bytes - est.terms("optimizer")["weights"]
+def _moe_config(model_type: str, layers: int):
+    """A mixture of experts of `layers` layers with wide experts (their tensors dominate the step's)."""
+    return tiny_config(model_type, vocab_size=256, num_hidden_layers=layers, hidden_size=128, intermediate_size=2048,
+                       moe_intermediate_size=2048, shared_expert_intermediate_size=2048, num_attention_heads=2,
+                       num_key_value_heads=1)
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
@@ -75,7 +60,8 @@ def test_a_step_holds_each_mixture_of_experts_layers_tensors_as_measured(model_t
     among them, and its weights' gradients), measured by the allocation recorder at 1K tokens against the prediction:
     Mixtral 71.24 MiB measured, 71.24 predicted; Qwen2-MoE (a shared expert beside the routed ones) 103.71 and
     103.71."""
-    (measured_1, predicted_1), (measured_3, predicted_3) = (_unchecked_step(model_type, n) for n in (1, 3))
+    (measured_1, predicted_1), (measured_3, predicted_3) = (unchecked_step_peak(_moe_config(model_type, n), PATTERN)
+                                                            for n in (1, 3))
     assert predicted_3 - predicted_1 == pytest.approx(measured_3 - measured_1, rel=0.01)
 
 
