@@ -2,23 +2,22 @@
 `memory_model.py`): `ModelShape`, the presets `MODELS`, and any causal LM's shape from its transformers config
 (`ModelShape.from_config`, which reads the MLP's form, or its experts', off the model that transformers builds from the
 config on the meta device). It imports nothing of the package but what it shares with training of a config and of the
-model built from it (`config.model_fields`: the expert counts, the decoder layers)."""
+model built from it (`config.model_fields`: the expert counts, the decoder layers) and the storage recorder the
+allocation tests read too (`memory.recorder`)."""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ..config.model_fields import EXPERT_COUNTS, decoder_layers, language_config
+from ..memory.recorder import StorageRecorder, storage_id
 
 # The fields of a decoder's config the predictions read (transformers' standard names; the MLP's width also under
 # GPT-2's `n_inner`, `intermediate_width`).
@@ -247,11 +246,11 @@ class _AutocastStandIn(TorchFunctionMode):
         if isinstance(value, torch.nn.Parameter):
             if id(value) not in self.weight_casts:
                 self.weight_casts[id(value)] = value.to(dtype)
-                self.weight_storages.add(_storage(self.weight_casts[id(value)]))
+                self.weight_storages.add(storage_id(self.weight_casts[id(value)]))
             return self.weight_casts[id(value)]
         cast = value.to(dtype)
-        self.sources[_storage(cast)] = _storage(value)
-        if self.hold:  # (`_LiveBytes` numbers storages instead: a cast goes when its last tensor does)
+        self.sources[storage_id(cast)] = storage_id(value)
+        if self.hold:  # (the recorder numbers storages instead: a cast goes when its last tensor does)
             self.held.append(cast)
         return cast
 
@@ -291,17 +290,12 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for item in value for t in _tensors(item)] if isinstance(value, (tuple, list)) else []
 
 
-def _storage(t: torch.Tensor) -> int:
-    """The identity of `t`'s storage (views share it; on the meta device every data pointer is 0)."""
-    return t.untyped_storage()._cdata
-
-
 def _saved_at(model: torch.nn.Module, layers: list[torch.nn.Module], tokens: int, kv_heads: int, where: str,
               autocast: torch.dtype | None = None) -> list[tuple[int, int, int]]:
     """Per decoder layer, (before, inputs, after) bytes of `LayerSaved` in one forward of `model` (on the meta device,
     with grad) of one sequence of `tokens`, attention through `_AttentionStandIn`; with autocast's casts to
     `autocast` (`_AutocastStandIn`) where given."""
-    known = {_storage(t) for t in (*model.parameters(), *model.buffers())}
+    known = {storage_id(t) for t in (*model.parameters(), *model.buffers())}
     saved: list[dict[int, tuple[int, bool]]] = [{} for _ in layers]  # storage -> (bytes, after the attention call)
     mlp_saved: list[set[int]] = [set() for _ in layers]  # saved inside the MLP: its input, and what it creates
     mlp_inputs: list[set[int]] = [set() for _ in layers]
@@ -312,7 +306,7 @@ def _saved_at(model: torch.nn.Module, layers: list[torch.nn.Module], tokens: int
 
     def enter(index: int, args, kwargs) -> None:
         held.extend(_tensors([*args, *kwargs.values()]))
-        known.update(_storage(t) for t in held)
+        known.update(storage_id(t) for t in held)
         stand_in.layer = index
 
     def leave(*_) -> None:
@@ -321,17 +315,17 @@ def _saved_at(model: torch.nn.Module, layers: list[torch.nn.Module], tokens: int
     def enter_mlp(index: int, args, kwargs) -> None:
         inputs = _tensors([*args, *kwargs.values()])
         held.extend(inputs)
-        mlp_inputs[index].update(_storage(t) for t in inputs)
+        mlp_inputs[index].update(storage_id(t) for t in inputs)
         state["mlp"] = True
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         index = stand_in.layer
-        if index is not None and _storage(t) not in known and (casts is None or
-                                                                _storage(t) not in casts.weight_storages):
+        if index is not None and storage_id(t) not in known and (casts is None or
+                                                                  storage_id(t) not in casts.weight_storages):
             after = any(call[0] == index for call in stand_in.calls)
-            saved[index].setdefault(_storage(t), (t.untyped_storage().nbytes(), after))
+            saved[index].setdefault(storage_id(t), (t.untyped_storage().nbytes(), after))
             if state["mlp"]:
-                mlp_saved[index].add(_storage(t))
+                mlp_saved[index].add(storage_id(t))
         return t
 
     handles = []
@@ -368,11 +362,11 @@ def _saved_at(model: torch.nn.Module, layers: list[torch.nn.Module], tokens: int
         _, q, k, v, output = calls[0]
         # (the MLP's products' casts of its input are the input's copies, not what it creates)
         inputs_cast = {c for c, source in casts.sources.items() if source in mlp_inputs[index]} if casts else set()
-        created = (mlp_saved[index] - mlp_inputs[index] - inputs_cast) | {_storage(output)}
+        created = (mlp_saved[index] - mlp_inputs[index] - inputs_cast) | {storage_id(output)}
         parts = [sum(n for s, (n, late) in saved[index].items() if late == after and s not in created)
                  for after in (False, True)]
-        inputs = {_storage(t): t.untyped_storage().nbytes() for t in (q, k, v)
-                  if _storage(t) not in known and _storage(t) not in saved[index]}
+        inputs = {storage_id(t): t.untyped_storage().nbytes() for t in (q, k, v)
+                  if storage_id(t) not in known and storage_id(t) not in saved[index]}
         out.append((parts[0], sum(inputs.values()), parts[1]))
     return out
 
@@ -433,48 +427,17 @@ class MoeBytes:
         return max(candidates, key=lambda c: c.per_token * tokens + c.const)
 
 
-class _LiveBytes(TorchDispatchMode):
-    """The storages the ops create while the mode is on, on any device (the meta device's too), in order: `events`
-    of (its number, bytes) at its creation and (its number, -bytes) when its last tensor goes (numbered: a freed
-    storage's address is reused); `number` gives a live tensor's; `curve` replays them. `copies`: the numbers of
-    the copies made of `sources` (autocast's casts of them)."""
+class _BlockRecorder(StorageRecorder):
+    """The package's storage recorder (its ordered log of creations and frees, its numbered storages) noting in
+    `copies` the numbers of the copies made of `sources` (autocast's casts of them)."""
 
     def __init__(self, *sources: torch.Tensor) -> None:
         super().__init__()
-        self.events: list[tuple[int, int]] = []
-        self._live: dict[int, int] = {}  # storage address -> its number
-        self.sources, self.copies = {_storage(t) for t in sources}, set()
+        self.sources, self.copies = {storage_id(t) for t in sources}, set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not any(r.alias_info is not None for r in func._schema.returns):  # (a view or an in-place op: none)
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and _storage(t) not in self._live and t.untyped_storage().nbytes():
-                    storage, number = t.untyped_storage(), len(self.events)
-                    self._live[_storage(t)] = number
-                    if func is torch.ops.aten._to_copy.default and _storage(args[0]) in self.sources:
-                        self.copies.add(number)
-                    self.events.append((number, storage.nbytes()))
-                    weakref.finalize(storage, self._free, _storage(t), number, storage.nbytes())
-        return out
-
-    def _free(self, key: int, number: int, nbytes: int) -> None:
-        if self._live.get(key) == number:
-            del self._live[key]
-        self.events.append((number, -nbytes))
-
-    def number(self, t: torch.Tensor) -> int | None:
-        """The number of `t`'s storage (None: not made while the mode was on)."""
-        return self._live.get(_storage(t))
-
-    def curve(self, start: int, end: int, left_out: set[int]) -> list[int]:
-        """The bytes alive after each event from `start` to `end` (the first: before them), the storages of
-        `left_out` and `copies` not counted."""
-        left_out = left_out | self.copies
-        alive = [sum(n for key, n in self.events[:start] if key not in left_out)]
-        for key, n in self.events[start:end]:
-            alive.append(alive[-1] + (0 if key in left_out else n))
-        return alive
+    def _created(self, number: int, t: torch.Tensor, func, args: tuple) -> None:
+        if func is torch.ops.aten._to_copy.default and storage_id(args[0]) in self.sources:
+            self.copies.add(number)
 
 
 def moe_at(block: torch.nn.Module, tokens: int, dtype: torch.dtype, autocast: torch.dtype | None = None
@@ -485,7 +448,7 @@ def moe_at(block: torch.nn.Module, tokens: int, dtype: torch.dtype, autocast: to
     (which the layer saves: `LayerSaved.after`) and of its weights (the model's "autocast weight copies") left out."""
     device = next(block.parameters()).device
     x = torch.randn(1, tokens, block.experts.hidden_dim, dtype=dtype, device=device, requires_grad=True)
-    live = _LiveBytes(x, *block.parameters())
+    live = _BlockRecorder(x, *block.parameters())
     meta = device.type == "meta"
 
     def casts() -> contextlib.AbstractContextManager:  # (each forward its own: a weight's cast without grad kept
@@ -495,13 +458,13 @@ def moe_at(block: torch.nn.Module, tokens: int, dtype: torch.dtype, autocast: to
     with _AttentionStandIn() if meta else contextlib.nullcontext(), live:
         with torch.no_grad(), casts():
             block(x)
-        forward = live.curve(0, len(live.events), set())
+        forward = live.curve(0, len(live.events), live.copies)
         start = len(live.events)
         with casts():
             y = block(x)
         grad = torch.randn_like(y)
         left_out = {live.number(grad)}
-        recomputed = live.curve(start, len(live.events), left_out)
+        recomputed = live.curve(start, len(live.events), left_out | live.copies)
         saved = recomputed[-1] - y.untyped_storage().nbytes()
         left_out.add(live.number(y))
         middle = len(live.events)
@@ -509,13 +472,13 @@ def moe_at(block: torch.nn.Module, tokens: int, dtype: torch.dtype, autocast: to
         left_out |= {live.number(p.grad) for p in block.parameters() if p.grad is not None}
     for p in block.parameters():
         p.grad = None
-    return forward, recomputed, [saved], live.curve(middle, len(live.events), left_out)
+    return forward, recomputed, [saved], live.curve(middle, len(live.events), left_out | live.copies)
 
 
 def moe_bytes(model: torch.nn.Module, dtype: torch.dtype, where: str, autocast: bool = False) -> MoeBytes:
     """`MoeBytes` of the mixture of experts in `model`'s decoder layers (every layer's alike: `moe_form`), built on the
     meta device, with activations in `dtype`: its first layer's block run alone at `SAVED_LENGTHS` tokens, forward
-    without grad, forward with grad and backward, the bytes its ops create followed (`_LiveBytes`) and taken apart
+    without grad, forward with grad and backward, the bytes its ops create followed (`memory.recorder`) and taken apart
     into a number per token and a constant. The model is moved to `dtype`; `autocast`: fp32 weights with autocast's
     casts to `dtype`, as `layer_saved` (torch's grouped matmul of the experts is not autocast's: it runs in fp32).
 

@@ -183,7 +183,7 @@ def _checkpointed_ring(par: ParallelDims, rank: int) -> dict:
         with AllocationRecorder() as rec:
             out = wrap(*inputs)
             gc.collect()
-            held = [a.site for a in rec._live.values() if "attention/layout.py" in a.site] if held is None else held
+            held = [a.site for a in rec.alive if "attention/layout.py" in a.site] if held is None else held
         out.square().sum().backward()
         grads.append([t.grad for t in inputs])
     return {"held_layout_sites": held, "same_grads": all(torch.equal(a, b) for a, b in zip(*grads))}

@@ -38,13 +38,15 @@ ALLOWED = {
     # the predictions on paper: step time and memory (which reads the memory savers' settings)
     "hf_sparse_cp.simulator": (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention", "hf_sparse_cp.memory"),
     # the model shapes both predictions take: a leaf but for the config fields it shares with training
-    "hf_sparse_cp.simulator.shapes": ("hf_sparse_cp.config.model_fields",),
+    "hf_sparse_cp.simulator.shapes": ("hf_sparse_cp.config.model_fields", "hf_sparse_cp.memory.recorder"),
     # the command lines' arguments: a --config's architecture is checked as training checks it (`token_mixers`)
     "hf_sparse_cp.simulator.arguments": (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention",
                                          "hf_sparse_cp.memory", "hf_sparse_cp.simulator",
                                          "hf_sparse_cp.integration.models"),
     # the memory savers that run (token tiles, host offload)
     "hf_sparse_cp.memory": (*BASE, "hf_sparse_cp.attention"),
+    # what the ops of a piece of code allocate and free (the simulator's measures and the tests' recorder): torch only
+    "hf_sparse_cp.memory.recorder": (),
     "hf_sparse_cp.integration": MODEL_PATH,
     "hf_sparse_cp.resharding": (*MODEL_PATH, "hf_sparse_cp.integration"),
     "hf_sparse_cp.reporting": (*MODEL_PATH, "hf_sparse_cp.integration"),

@@ -43,7 +43,7 @@ def _held_after_forward(q, k, v, meta, cfg, window):
         out = checkpoint(lambda *x: sequence_attention(*x, meta, cfg, sliding_window=window)[0], q, k, v,
                          use_reentrant=False)
         gc.collect()
-        held = sum(a.nbytes for a in rec._live.values()) - out.untyped_storage().nbytes()
+        held = sum(a.nbytes for a in rec.alive) - out.untyped_storage().nbytes()
     return out, held
 
 
