@@ -7,7 +7,7 @@ head_dim 128), bf16 (`--dtype`), causal, one document. For every S (32K, 64K, 12
   diagonals, the main one always, plus `num_verticals` random key columns per head), and layouts
   estimated by `hf_sparse_cp.attention.estimate_layout` from q/k with planted structure (columns
   and diagonals that carry the attention mass, as in real heads);
-* on each sparse layout: `ours` (`hf_sparse_cp.ops.block_sparse_attention` with the Triton engine,
+* on each sparse layout: `ours` (`hf_sparse_cp.attention.block_sparse_attention` with the Triton engine,
   the path training takes: kernels, autograd, output cast), `flex_engine` (the same call with the
   FlexAttention engine, `hf_sparse_cp.attention.flex`: the same function, columns included, through
   compiled Flex), `auto` (the same call with the 'auto' engine, reading the engine table this run
