@@ -973,7 +973,7 @@ def print_report(report: dict) -> None:
 
 
 def main(argv: list[str]) -> dict:
-    args = parse_gpu_benchmark_args(BenchAttentionArguments, argv, "bench_attention.py", cpu_dry_run=True)
+    args = parse_gpu_benchmark_args(BenchAttentionArguments, argv, "bench_attention.py")
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("bench_attention.py --dry_run runs our kernels in Triton's interpreter: set "
                          "TRITON_INTERPRET=1.")
