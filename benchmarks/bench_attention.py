@@ -7,7 +7,7 @@ head_dim 128), bf16 (`--dtype`), causal, one document. For every S (32K, 64K, 12
   diagonals, the main one always, plus `num_verticals` random key columns per head), and layouts
   estimated by `hf_sparse_cp.attention.estimate_layout` from q/k with planted structure (columns
   and diagonals that carry the attention mass, as in real heads);
-* on each sparse layout: `ours` (`hf_sparse_cp.ops.block_sparse_attention` with the Triton engine,
+* on each sparse layout: `ours` (`hf_sparse_cp.attention.block_sparse_attention` with the Triton engine,
   the path training takes: kernels, autograd, output cast), `flex_engine` (the same call with the
   FlexAttention engine, `hf_sparse_cp.attention.flex`: the same function, columns included, through
   compiled Flex), `auto` (the same call with the 'auto' engine, reading the engine table this run
@@ -973,7 +973,7 @@ def print_report(report: dict) -> None:
 
 
 def main(argv: list[str]) -> dict:
-    args = parse_gpu_benchmark_args(BenchAttentionArguments, argv, "bench_attention.py", cpu_dry_run=True)
+    args = parse_gpu_benchmark_args(BenchAttentionArguments, argv, "bench_attention.py")
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("bench_attention.py --dry_run runs our kernels in Triton's interpreter: set "
                          "TRITON_INTERPRET=1.")

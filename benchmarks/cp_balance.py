@@ -9,7 +9,7 @@ Layouts (say which when quoting numbers):
 * vertical-slash: random vertical-slash layouts, per head the sink columns and the main block
   diagonal forced (MTraining's forced parts) and `--diagonals` block diagonals (uniformly among
   the nearest `--spread` fraction) and `--verticals` columns drawn uniformly
-  (`hf_sparse_cp.testing.layouts.random_vertical_slash_layout`); not estimated from a model;
+  (`hf_sparse_cp.simulator.workloads.random_vertical_slash_layout`); not estimated from a model;
 * dense: the causal layout (every block at or below the diagonal), i.e. a dense ring.
 
 Columns: kept = computed blocks / causal blocks; rank = max/mean over ranks of a rank's total

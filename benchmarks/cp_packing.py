@@ -22,7 +22,7 @@ Columns: rank = max / mean over ranks of attention work (token pairs) plus linea
 (`PlannerCosts.linear_per_token` per token, the planner's own cost model); attn = the same for
 attention alone; step = ring time over ideal if every ring step were a barrier (sum over steps of
 the busiest rank's attention work, over the mean: an upper bound); pipe = ring time over ideal as
-the ring waits (`balance.pipelined_time`: a rank waits only for its neighbours, transfers free);
+the ring waits (`traffic.pipelined_time`: a rank waits only for its neighbours, transfers free);
 fwd GiB = K/V bytes sent by all ranks in the forward pass (bf16, `--kv-heads` x
 `--head-dim`); plan ms = the sharding's planning time from the document lengths (best of 7: on a shared machine
 other processes only add time).

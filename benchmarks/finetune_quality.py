@@ -285,7 +285,7 @@ def held_out(tokenizer, args: FinetuneQualityArguments) -> tuple[list[list[int]]
         windows = [hay[i * args.seq_len:(i + 1) * args.seq_len] for i in range(args.eval_rows)]
         return ppl, recall_rows(tokenizer, windows, random.Random(args.seed + 1), args)
     return ppl, retrieval.prompt_set(tokenizer, hay, args.eval_lengths, args.depths, args.prompts_per_cell,
-                                     args.distractors, args.seed + 1)
+                                     args.distractors, args.seed + 1, pretrained.text_prefix(tokenizer))
 
 
 def trainer_arguments(name: str, args: FinetuneQualityArguments, output_dir: str,

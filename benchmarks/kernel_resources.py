@@ -83,15 +83,16 @@ SHORTLIST_VARIANTS = {"forward": ("forward",), "dq": ("dq_column_grads", "dq"), 
                       "columns": ("columns",)}
 
 
-def measure_candidates(head_dims=(128,), dtype: str = "bf16", block_size: int = 128,
-                       warps_stages_only: bool = False, shortlist: bool = False) -> list[dict]:
+def measure_candidates(head_dims=(128,), dtype: str = "bf16", warps_stages_only: bool = False,
+                       shortlist: bool = False) -> list[dict]:
     """Every tile candidate of the tuned kernels at 4 and 8 warps (or, with `warps_stages_only`, the
     launchers' tile shapes at 4 and 8 warps and 2-4 stages; with `shortlist`, the quick GPU call's candidates,
     `configs.shortlist`, dq with and without column gradients), each row saying whether it is the one launched;
     a build that fails is a row with its error."""
     rows = []
     for head_dim in head_dims:
-        launch = sm90.launch_for(head_dim, dtype, block_size)
+        launch = sm90.launch_for(head_dim, dtype)
+        block_size = launch.block_size
         for kernel, variant in CANDIDATE_VARIANTS.items():
             launched = LAUNCHED_TILES[kernel](block_size, head_dim, True) if kernel in LAUNCHED_TILES else None
             if warps_stages_only:

@@ -1,4 +1,5 @@
-"""Peak memory of one training step, measured on this CPU, against `hf_sparse_cp.memory`'s prediction.
+"""Peak memory of one training step, measured on this CPU, against `hf_sparse_cp.simulator.memory_model`'s
+prediction.
 
 Measurement: every (model, variant, S) runs in a fresh subprocess, so nothing a previous run freed
 but kept (allocator arenas, fragments) raises its peak. The process's resident set is read from
@@ -14,9 +15,9 @@ The step is the one the plugin trains with: a Qwen2-architecture model (`--grid 
 small shape in each of `ARCHITECTURES`, `--model_type` picking some) in bf16 (AdamW state in
 bf16 too), gradient checkpointing (non-reentrant), the `sparse_cp` backend with a sparse pattern
 from the first layer on (CPU: the PyTorch reference), the lean loss (chunked PyTorch), one
-sequence of S tokens. A warm-up step of `--warmup_len` tokens creates the optimizer state first.
+sequence of S tokens. A warm-up step of 256 tokens (a run's `warmup_len`) creates the optimizer state first.
 
-Prediction: `hf_sparse_cp.memory.predict_step_memory` for the same shape, length, settings and
+Prediction: `hf_sparse_cp.simulator.memory_model.predict_step_memory` for the same shape, length, settings and
 implementation ('reference'); the measured peak minus the baseline is compared with the predicted
 tensor bytes, per phase. Each run's terms are in the JSON.
 

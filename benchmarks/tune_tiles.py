@@ -268,7 +268,7 @@ def build_report(tuner: Tuner, env: dict, complete: bool) -> dict:
 
 
 def main(argv: list[str]) -> dict:
-    args = parse_gpu_benchmark_args(TuneTilesArguments, argv, "tune_tiles.py", cpu_dry_run=True)
+    args = parse_gpu_benchmark_args(TuneTilesArguments, argv, "tune_tiles.py")
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("tune_tiles.py --dry_run runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1.")
     device = "cpu" if args.dry_run else "cuda"

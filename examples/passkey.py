@@ -42,12 +42,9 @@ def _compose(seq_len_chars: int, key: str, cut: int) -> str:
     return filler[:cut] + _needle(key) + filler[cut:] + QUESTION + key + "."
 
 
-def passkey_text(seq_len_chars: int, rng: random.Random, margin: int = 0) -> tuple[str, str]:
-    """One example of at least `seq_len_chars` characters: (text ending with the answer, the answer).
-
-    The needle is never placed in the first `margin` characters (which a caller may trim).
-    """
-    key, cut = _draw(seq_len_chars, rng, margin)
+def passkey_text(seq_len_chars: int, rng: random.Random) -> tuple[str, str]:
+    """One example of at least `seq_len_chars` characters: (text ending with the answer, the answer)."""
+    key, cut = _draw(seq_len_chars, rng, 0)
     return _compose(seq_len_chars, key, cut), key
 
 

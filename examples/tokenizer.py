@@ -19,8 +19,8 @@ def _byte_to_char() -> dict[int, str]:
     return mapping
 
 
-def byte_tokenizer(model_max_length: int = 1 << 20) -> PreTrainedTokenizerFast:
-    """Token id = 3 + byte value; ids 0, 1, 2 are <pad>, <bos>, <eos>."""
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Token id = 3 + byte value; ids 0, 1, 2 are <pad>, <bos>, <eos>; rows of up to 2^20 tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
@@ -34,5 +34,5 @@ def byte_tokenizer(model_max_length: int = 1 << 20) -> PreTrainedTokenizerFast:
         pad_token="<pad>",
         bos_token="<bos>",
         eos_token="<eos>",
-        model_max_length=model_max_length,
+        model_max_length=1 << 20,
     )

@@ -5,6 +5,8 @@ import functools
 
 import torch
 
+from hf_sparse_cp import SparseAttentionConfig
+from hf_sparse_cp.attention.estimate import EstimationSegment, row_entries, select_into
 from hf_sparse_cp.attention.layout import SparseLayout, compact_sorted
 from hf_sparse_cp.attention.ops import attention_backward, attention_forward
 from hf_sparse_cp.attention.tokens import TokenMeta
@@ -103,3 +105,17 @@ def trained_under(trainer, cp_config) -> dict:
               "update": torch.cat([p.detach().flatten() for p in trainer.model.parameters()]) - initial}
     detach_from_trainer(trainer)
     return result
+
+
+def select_vertical_slash(
+    vertical: torch.Tensor, slash: torch.Tensor, docs: list[list[tuple[int, ...]]], cfg: SparseAttentionConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept key columns and diagonal offsets ([B, H, S] bool each) from a batch's scores; docs: per row, its
+    scored documents as (start, end), or (start, end, scored_end) when only the queries before scored_end
+    scored it (a causal chunk); each is selected on its own, by the budget stage `estimate` runs (`select_into`)."""
+    keep_v, keep_s = (torch.zeros_like(x, dtype=torch.bool) for x in (vertical, slash))
+    for row, row_docs in enumerate(docs):
+        for start, end, *scored_end in row_docs:
+            select_into(keep_v[row], keep_s[row], cfg, *row_entries(cfg, vertical[row], slash[row], start, end),
+                        EstimationSegment(start, (scored_end or [end])[0], start, end, 0))
+    return keep_v, keep_s

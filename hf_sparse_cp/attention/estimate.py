@@ -216,20 +216,6 @@ def row_entries(cfg: SparseAttentionConfig, vertical: torch.Tensor, slash: torch
                     fixed.decode(sums.sum(-1, True), divisor_bits=step_bits)))
 
 
-def select_vertical_slash(
-    vertical: torch.Tensor, slash: torch.Tensor, docs: list[list[tuple[int, ...]]], cfg: SparseAttentionConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept key columns and diagonal offsets ([B, H, S] bool each) from a batch's scores; docs: per row, its
-    scored documents as (start, end), or (start, end, scored_end) when only the queries before scored_end
-    scored it (a causal chunk); each is selected on its own (`select_into`)."""
-    keep_v, keep_s = (torch.zeros_like(x, dtype=torch.bool) for x in (vertical, slash))
-    for row, row_docs in enumerate(docs):
-        for start, end, *scored_end in row_docs:
-            select_into(keep_v[row], keep_s[row], cfg, *row_entries(cfg, vertical[row], slash[row], start, end),
-                        EstimationSegment(start, (scored_end or [end])[0], start, end, 0))
-    return keep_v, keep_s
-
-
 # --------------------------------------------------------------------------------------------- layout
 
 
@@ -266,7 +252,7 @@ def _query_ranges(segments: list[list[EstimationSegment]]) -> list[list[tuple[in
 def layout_from_kept(meta: TokenMeta, cfg: SparseAttentionConfig, segments: list[list[EstimationSegment]],
                      keep_v: torch.Tensor, keep_s: torch.Tensor) -> SparseLayout:
     """The layout from the kept columns and offsets of every estimation segment ([B, H, V, S] bool each,
-    set j of a row at [:, :, j], as `select_vertical_slash` lays them out, anchors included)."""
+    set j of a row at [:, :, j], as `estimate`'s `KeptEntries` holds them, anchors included)."""
     dense_tokens = meta.segment != PAD_SEGMENT
     for row, row_segs in enumerate(segments):
         for sg in row_segs:

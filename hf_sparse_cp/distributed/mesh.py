@@ -295,8 +295,7 @@ class ParallelDims:
                           model_linear_per_token=model_linear_per_token)
 
     @classmethod
-    def from_accelerator(cls, accelerator, config, *, env: Mapping[str, str] = os.environ,
-                         model_linear_per_token: float | None = None) -> ParallelDims:
+    def from_accelerator(cls, accelerator, config, *, model_linear_per_token: float | None = None) -> ParallelDims:
         """Build from an `accelerate.Accelerator`: its `ParallelismConfig` (cp_size, device mesh, CP
         group) when it has one with cp_size > 1, else the plugin's `config` (CPU / gloo runs). The
         plugin's --cp_mode decides how the CP group shares attention either way; `model_linear_per_token`
@@ -311,7 +310,7 @@ class ParallelDims:
                 "over accelerate's CP group."
             )
         if pc is None or pc.cp_size == 1:
-            return cls.from_config(config, env=env, model_linear_per_token=model_linear_per_token)
+            return cls.from_config(config, model_linear_per_token=model_linear_per_token)
         if config.cp_size not in (1, pc.cp_size):
             raise ValueError(
                 f"--cp_size={config.cp_size} disagrees with accelerate's ParallelismConfig(cp_size={pc.cp_size}); "
@@ -324,7 +323,7 @@ class ParallelDims:
         names = list(mesh.mesh_dim_names)
         ranks = mesh.mesh.movedim(names.index("cp"), -1).reshape(-1, pc.cp_size)
         groups = [[int(r) for r in row] for row in ranks]
-        return cls._build(dist.get_world_size(), dist.get_rank(), groups, config, env,
+        return cls._build(dist.get_world_size(), dist.get_rank(), groups, config, os.environ,
                           cp_group=mesh["cp"].get_group(), model_linear_per_token=model_linear_per_token)
 
     @classmethod

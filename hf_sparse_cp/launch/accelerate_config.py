@@ -31,15 +31,15 @@ def positive_count(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
-def config_mistake(config: Mapping, found: int, env: Mapping[str, str] = os.environ) -> str | None:
+def config_mistake(config: Mapping, found: int) -> str | None:
     """What keeps the accelerate `config` from running on this machine, which has `found` accelerators (a message
     that follows `--config_file PATH ` and names the fix); None where it runs, or where accelerate launch names what
     is wrong itself (a missing or odd process count)."""
     count, machines = positive_count(config.get("num_processes")), positive_count(config.get("num_machines", 1))
     if count is None or machines is None:
-        return _gpu_ids_mistake(config, None, found, env) or _package_mistake(config)
+        return _gpu_ids_mistake(config, None, found) or _package_mistake(config)
     per_machine = count // machines  # (accelerate's nproc_per_node)
-    return (_placement_mistake(config, count, machines, found) or _gpu_ids_mistake(config, per_machine, found, env)
+    return (_placement_mistake(config, count, machines, found) or _gpu_ids_mistake(config, per_machine, found)
             or _fsdp_mistake(config, found) or _package_mistake(config))
 
 
@@ -66,7 +66,7 @@ def _placement_mistake(config: Mapping, count: int, machines: int, found: int) -
             f"{found} ({COUNT_SOURCE}): {fix}")
 
 
-def _gpu_ids_mistake(config: Mapping, per_machine: int | None, found: int, env: Mapping[str, str]) -> str | None:
+def _gpu_ids_mistake(config: Mapping, per_machine: int | None, found: int) -> str | None:
     """gpu_ids that accelerate launch cannot read (not a string: its traceback), refuses (fewer than two for its
     multi-GPU launcher on one machine), or that leave a process without an accelerator of its own: fewer ids than
     processes per machine, one listed twice, or one this machine does not have."""
@@ -97,7 +97,7 @@ def _gpu_ids_mistake(config: Mapping, per_machine: int | None, found: int, env: 
         return (f"starts {per_machine} processes per machine, each on an accelerator of its own, and {listed} lists "
                 f"{len(ids)}: {fix}, or set its num_processes to {len(ids) * machines}")
     absent = [i for i in ids if i.isdigit() and int(i) >= found]
-    if absent and not any(name in env for name in VISIBILITY_ENV):
+    if absent and not any(name in os.environ for name in VISIBILITY_ENV):
         return (f"names accelerator {absent[0]} in {listed}, and this machine has {found} ({COUNT_SOURCE}), ids 0 to "
                 f"{found - 1}: list {wanted} of those, or gpu_ids: all")
     return None

@@ -130,7 +130,7 @@ def wrong_kind(given: str, path: str, mapping: Mapping, wanted: str) -> str | No
     return f"{path} is {what}, not {KIND_USES[wanted][0]}: give it as {use.format(given)}."
 
 
-def launched_processes(options: argparse.Namespace, env: Mapping[str, str] = os.environ) -> int | None:
+def launched_processes(options: argparse.Namespace) -> int | None:
     """How many processes `launch` starts for `options`: `nproc` under torchrun, the accelerate config's
     `num_processes` (all machines'); None when the run stays in this process (it checks its own flags there, with
     no launcher to report a failure) or the config does not say."""
@@ -138,7 +138,7 @@ def launched_processes(options: argparse.Namespace, env: Mapping[str, str] = os.
         from .accelerate_config import positive_count
 
         return positive_count((options.accelerate_config or {}).get("num_processes", 1))
-    return options.nproc if options.nproc > 1 and not in_launched_group(env) else None
+    return options.nproc if options.nproc > 1 and not in_launched_group() else None
 
 
 def accelerator_count() -> int:

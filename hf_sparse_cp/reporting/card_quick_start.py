@@ -115,8 +115,8 @@ def _load_base(base: str | None, loader: _Loader, extra: str = "") -> str:
     return f'base = {loader.name}.from_pretrained("{base}"{extra})'
 
 
-def _adapter_quick_start(trainer: Trainer, peft_model: Any, sparse: SparseAttentionConfig | None,
-                         tokenizer: str | None, name: str) -> list[str]:
+def _adapter_quick_start(peft_model: Any, sparse: SparseAttentionConfig | None, tokenizer: str | None,
+                         name: str) -> list[str]:
     """How to load a PEFT adapter (saved in `name`) onto its base model (the one adapter_config.json names, or the
     user's when it names none: a base model built from a config) and generate, and how to train on with the sparse
     pattern."""
@@ -150,7 +150,7 @@ def quick_start(trainer: Trainer, sparse: SparseAttentionConfig | None, output_d
     tokenizer = name if _saves_tokenizer(trainer, output_dir) else None
     peft_model = peft_model_of(trainer)
     if peft_model is not None:
-        return note + _adapter_quick_start(trainer, peft_model, sparse, tokenizer, name)
+        return note + _adapter_quick_start(peft_model, sparse, tokenizer, name)
     loader = _loader(trainer.accelerator.unwrap_model(trainer.model))
     lines = [*note, f"The weights are a standard transformers checkpoint: the model loads and {_runs(loader)} without "
              "`hf-sparse-cp`, with any attention implementation (e.g. `attn_implementation=\"sdpa\"`):", "",

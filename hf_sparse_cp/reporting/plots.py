@@ -41,8 +41,8 @@ PICTURES = ("kept_fraction", "layouts")
 DEFAULT_PANELS = 4
 
 
-def block_coverage(layout: SparseLayout, k_len: int, head: int, row: int = 0) -> torch.Tensor:
-    """The share of every key block that each query block computes, for one batch row and query head.
+def block_coverage(layout: SparseLayout, k_len: int, head: int) -> torch.Tensor:
+    """The share of every key block that each query block computes, for the first batch row and one query head.
 
     This is `layout.to_mask(...)` averaged over each key block (the rows of a query block share their
     keys), computed from the layout's indices without the [q_len, k_len] mask.
@@ -51,7 +51,6 @@ def block_coverage(layout: SparseLayout, k_len: int, head: int, row: int = 0) ->
         layout: a layout of one attention call.
         k_len: the number of keys of that call.
         head: the query head (any head of a layout shared by all heads).
-        row: the batch row.
 
     Returns:
         float [query blocks, key blocks] in [0, 1]: 1 for a listed block, the share of its tokens for
@@ -61,10 +60,10 @@ def block_coverage(layout: SparseLayout, k_len: int, head: int, row: int = 0) ->
     nkb = -(-k_len // bs)
     h = head if layout.heads > 1 else 0
     listed = torch.zeros(layout.num_q_blocks, nkb + 1, dtype=torch.float64)  # (slot nkb: the unused index slots)
-    listed.scatter_(1, torch.where(layout.valid_blocks()[row, h], layout.block_idx[row, h].long(), nkb).cpu(), 1.0)
-    valid = layout.valid_cols()[row, h].cpu()
+    listed.scatter_(1, torch.where(layout.valid_blocks()[0, h], layout.block_idx[0, h].long(), nkb).cpu(), 1.0)
+    valid = layout.valid_cols()[0, h].cpu()
     columns = torch.zeros_like(listed).scatter_add_(
-        1, torch.where(valid, layout.col_idx[row, h].long().cpu() // bs, nkb), valid.double())
+        1, torch.where(valid, layout.col_idx[0, h].long().cpu() // bs, nkb), valid.double())
     block_len = torch.full((nkb,), float(bs), dtype=torch.float64)
     block_len[-1] = k_len - (nkb - 1) * bs
     return listed[:, :nkb] + columns[:, :nkb] / block_len  # (a column never lies in a listed block)

@@ -443,8 +443,9 @@ class MemoryEstimate:
         raw = self.phases[phase or self.peak_phase]["terms"]
         return dict(sorted(((t, sum(v)) for t, v in raw.items() if sum(v) > 0), key=lambda x: -x[1]))
 
-    def token_scaled_bytes(self, phase: str | None = None) -> float:
-        return sum(v[0] for v in self.phases[phase or self.peak_phase]["terms"].values())
+    def token_scaled_bytes(self) -> float:
+        """Bytes of the terms that grow with the tokens, at the step's peak."""
+        return sum(v[0] for v in self.phases[self.peak_phase]["terms"].values())
 
     @property
     def dominant_term(self) -> str:

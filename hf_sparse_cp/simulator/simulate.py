@@ -2,12 +2,12 @@
 
 What a rank computes at each ring step and what it sends in each communication slot come from the
 same objects `ring_sparse_attention` runs: `TransferSets` and `slot_ops` (through
-`balance.plan_traffic`) for the transfers, the owner of every listed key block for the work
+`traffic.plan_traffic`) for the transfers, the owner of every listed key block for the work
 (equal, step by step, to the layouts `RingPlan` builds; tests/unit/test_simulate.py checks both).
 
 Time: a step's compute is a linear cost model of its work (`KernelCosts`: per call, per query
 row, per block pair, per padded slot). The transfers follow the ring's schedule exactly
-(`ring_attention._run`): slot ('outer', o) is posted before node step o's inner ring and awaited
+(`ring/attention.py`'s `_run`): slot ('outer', o) is posted before node step o's inner ring and awaited
 after it, slot ('inner', o, i) is posted before step (o, i) computes and awaited after it. A
 transfer starts when both ends have posted it (or, on a cluster whose transfers cannot progress
 while a rank computes, when both have finished computing) and lasts latency + bytes / bandwidth

@@ -5,8 +5,8 @@ ring step plus the final column ("bar") step (block units: listed key blocks, an
 block_size, summed over batch rows and heads), and the bytes every rank sends forward (K/V blocks,
 and the key columns' rows to the ranks that list them) and backward (K/V blocks again, dK/dV
 accumulators, and the columns' dK/dV back to their holders), counted from the transfers
-`ring_plan.slot_ops` schedules, i.e. without the blocks that nobody downstream reads, and from
-`ring_plan.column_reads`.
+`ring.plan.slot_ops` schedules, i.e. without the blocks that nobody downstream reads, and from
+`ring.plan.column_reads`.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def column_rows(layout: SparseLayout, plan: BlockSplit) -> torch.Tensor:
 
 def slot_sends(sets: TransferSets, position: int, block_bytes: int, *, backward: bool, kv_bytes: int = 2,
                acc_bytes: int = 4) -> dict[tuple, list[tuple[int, int]]]:
-    """The sends `position` posts per slot of `ring_plan.slot_ops`, as (peer position, bytes).
+    """The sends `position` posts per slot of `ring.plan.slot_ops`, as (peer position, bytes).
 
     block_bytes: K and V elements of one block (batch x kv_heads x head_dim x 2 x block_size);
     K/V travel at `kv_bytes` per element, dK/dV accumulators at `acc_bytes`."""

@@ -167,14 +167,14 @@ def write_report(report: dict, results_dir: Path, kind: str, output: str | None 
     return out
 
 
-def parse_gpu_benchmark_args(arguments_cls, argv: list[str], script: str, cpu_dry_run: bool = False):
-    """`argv` parsed into the dataclass `arguments_cls`; exits, saying nothing was measured, when this
-    machine has no CUDA device (the GPU benchmarks refuse to time anything else), unless `cpu_dry_run`
-    and the arguments ask for their `dry_run` (the script checked on the CPU, nothing measured)."""
+def parse_gpu_benchmark_args(arguments_cls, argv: list[str], script: str):
+    """`argv` parsed into the dataclass `arguments_cls` (which has a `dry_run` field); exits, saying nothing was
+    measured, when this machine has no CUDA device (the GPU benchmarks refuse to time anything else), unless the
+    arguments ask for their `dry_run` (the script checked on the CPU, nothing measured)."""
     from transformers import HfArgumentParser
 
     (args,) = HfArgumentParser(arguments_cls).parse_args_into_dataclasses(argv)
-    if not torch.cuda.is_available() and not (cpu_dry_run and args.dry_run):
+    if not torch.cuda.is_available() and not args.dry_run:
         raise SystemExit(f"{script} is a GPU benchmark and found no CUDA device; nothing was measured.")
     return args
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 HIDE_ENV = "HF_SPARSE_CP_TEST_HIDE"
 
@@ -22,9 +22,9 @@ def hide(names: Iterable[str]) -> None:
         sys.modules[name] = None
 
 
-def hide_from_environment(environ: Mapping[str, str] = os.environ) -> list[str]:
+def hide_from_environment() -> list[str]:
     """Hide the comma-separated packages `$HF_SPARSE_CP_TEST_HIDE` names (none when unset); returns them."""
-    names = [name.strip() for name in environ.get(HIDE_ENV, "").split(",") if name.strip()]
+    names = [name.strip() for name in os.environ.get(HIDE_ENV, "").split(",") if name.strip()]
     if names:
         hide(names)
     return names

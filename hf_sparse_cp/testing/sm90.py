@@ -76,9 +76,9 @@ class Launch:
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def launch_for(head_dim: int, dtype: str = "bf16", block_size: int = 128) -> Launch:
-    """The default `Launch` with this head_dim, dtype name ("bf16", "fp16", "fp32") and layout block."""
-    return Launch(head_dim=head_dim, dtype=_DTYPES[dtype], block_size=block_size)
+def launch_for(head_dim: int, dtype: str = "bf16") -> Launch:
+    """The default `Launch` with this head_dim and dtype name ("bf16", "fp16", "fp32")."""
+    return Launch(head_dim=head_dim, dtype=_DTYPES[dtype])
 
 
 @contextlib.contextmanager
@@ -189,10 +189,10 @@ def build(name: str, tiles: Tiles | None = None, launch: Launch | None = None):
     return _tiles_of(kwargs), compile_launch(kernel, args, kwargs)
 
 
-def launcher_builds(head_dim: int, dtype: str = "bf16", block_size: int = 128) -> dict[str, tuple[Tiles, object]]:
+def launcher_builds(head_dim: int, dtype: str = "bf16") -> dict[str, tuple[Tiles, object]]:
     """Every kernel variant a GPU run launches at this head_dim, as the launchers launch it:
     name -> (tiles, build)."""
-    launches = recorded_launches(launch_for(head_dim, dtype, block_size))
+    launches = recorded_launches(launch_for(head_dim, dtype))
     return {name: (_tiles_of(kw), compile_launch(kernel, args, kw)) for name, (kernel, args, kw) in launches.items()}
 
 

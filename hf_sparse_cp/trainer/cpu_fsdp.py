@@ -76,13 +76,14 @@ def enable_cpu_fsdp2(trainer: Trainer) -> bool:
     return True
 
 
-def check_cpu_fsdp_version(args: TrainingArguments, env: Mapping[str, str] = os.environ) -> None:
-    """Raise ValueError, naming the fix, when `args` (their `--fsdp`, else accelerate launch's FSDP variables in `env`,
+def check_cpu_fsdp_version(args: TrainingArguments) -> None:
+    """Raise ValueError, naming the fix, when `args` (their `--fsdp`, else accelerate launch's FSDP variables,
     which also give a setting that `--fsdp` leaves unset, as the FSDP plugin reads them) ask for FSDP version 1 on CPU
     processes: accelerate's FSDP1 plugin finds no device there (and FSDP1 refuses a CPU one), which each process met
     only as its Trainer built the accelerator, after the data; for CPU offload, whose pinned memory needs an
     accelerator; or with what the Trainer refuses under FSDP (`--activation_checkpointing` beside FSDP's own,
     `--save_only_model` with `--load_best_model_at_end`). Call it on a machine without accelerator."""
+    env = os.environ
     if args.fsdp_plugin_args is not None:
         version, where = args.fsdp_plugin_args["fsdp_version"], "--fsdp_config's version"
         fix = "--fsdp_config '{\"fsdp_version\": 2}'"

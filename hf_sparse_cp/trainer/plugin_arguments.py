@@ -87,11 +87,11 @@ def is_parsing_for_launch() -> bool:
     return _PARSING_FOR_LAUNCH.get()
 
 
-def launch_world_size(env: Mapping[str, str] = os.environ) -> int | None:
+def launch_world_size() -> int | None:
     """The processes of the run whose flags parse: the launcher's count as it parses them before starting the
     processes (`parsing_for_launch`), WORLD_SIZE in a launched process, None where not known (a process alone)."""
     processes = _LAUNCH_PROCESSES.get() if is_parsing_for_launch() else None
-    return launched_world_size(env) if processes is None else processes
+    return launched_world_size() if processes is None else processes
 
 
 # True inside `parsing_for_cpu`: the script's arguments give --use_cpu, a field the plugin's own arguments lack.

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from hf_sparse_cp import SparseAttentionConfig
-from hf_sparse_cp.attention.estimate import estimate_layout, select_vertical_slash
+from hf_sparse_cp.attention.estimate import estimate_layout
 from hf_sparse_cp.attention.ops import block_sparse_attention
 from hf_sparse_cp.attention.scoring import score_vertical_slash
 from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta
 from hf_sparse_cp.testing.spawn import run_gloo
 
-from oracle import TOLERANCE, dense_attention, rel_rms, visible
+from oracle import TOLERANCE, dense_attention, rel_rms, select_vertical_slash, visible
 
 BS, D, HQ, HKV = 16, 16, 4, 2
 CFG = SparseAttentionConfig(block_size=BS, min_seq_len=96, vertical_topk=6, slash_topk=5, sink_tokens=2,

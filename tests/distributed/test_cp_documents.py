@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention import dense_layout, estimate_layout
-from hf_sparse_cp.attention.estimate import select_vertical_slash
 from hf_sparse_cp.attention.ops import block_sparse_attention
 from hf_sparse_cp.attention.scoring import score_vertical_slash
 from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta, segments_from_position_ids
@@ -42,7 +41,7 @@ from hf_sparse_cp.simulator.traffic import pipelined_time, plan_traffic, ring_co
 from hf_sparse_cp.simulator.workloads import mix_lengths, random_vertical_slash_layout, row_meta
 from hf_sparse_cp.testing.spawn import gloo_runs_by_world
 
-from oracle import TOLERANCE, column_rows_to_send, rel_rms
+from oracle import TOLERANCE, column_rows_to_send, rel_rms, select_vertical_slash
 
 BS, D = 16, 16
 CFG = SparseAttentionConfig(block_size=BS, min_seq_len=64, local_window=4, sink_tokens=2, vertical_topk=6,

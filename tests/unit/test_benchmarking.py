@@ -1,4 +1,4 @@
-"""The helpers every benchmark shares (`hf_sparse_cp.benchmarking`), on CPU: the kernel profile
+"""The helpers every benchmark shares (`hf_sparse_cp.testing.benchmarking`), on CPU: the kernel profile
 behind a benchmark's figures, its text form, and where reports are written."""
 
 import json

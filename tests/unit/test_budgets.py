@@ -13,8 +13,9 @@ import torch
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.budgets import Budget, Entries, Mass, TopK, TopP
 from hf_sparse_cp.attention.budgets.naive import naive_select
-from hf_sparse_cp.attention.estimate import select_vertical_slash
 from hf_sparse_cp.config.sections import budget_class, budget_field_names, budget_modes
+
+from oracle import select_vertical_slash
 
 BS = 16
 BUDGETS = [

@@ -5,13 +5,13 @@ import torch
 
 from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.build import build_layout, dense_layout, offsets_to_block_diagonals
-from hf_sparse_cp.attention.estimate import estimate_layout, select_vertical_slash
+from hf_sparse_cp.attention.estimate import estimate_layout
 from hf_sparse_cp.attention.layout import dense_blocks
 from hf_sparse_cp.attention.scoring import score_vertical_slash
 from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta
 from hf_sparse_cp.testing.layouts import PLANTED_LOGIT, local_qk, planted_qk
 
-from oracle import visible
+from oracle import select_vertical_slash, visible
 
 S, D = 1024, 64
 VERTICALS = [[5, 300], [77], [500, 600], [], [40, 41], [900], [], [128]]

@@ -94,8 +94,8 @@ def test_a_compiled_step_has_no_graph_break(single_thread, model_type, packed, b
     """The sparse attention calls are traced as the custom ops: no graph break in a compiled step (before, each
     attention call ran outside the graph, `torch.compiler.disable`: 10 breaks for the 2-layer window model, 9 for
     the packed llama, and transformers' deprecate_kwarg wrapper of the decoder layers, compiled again for each
-    resumed frame, hit dynamo's recompile limit), nor in the mask build (its check stays in the graph, read by the
-    plan op: `call_tokens.check_deferred_masks`). The second length recompiles the model's frame once (its sizes
+    resumed frame, hit dynamo's recompile limit), nor in the mask build (its check stays in the graph, an ordered
+    op of the mask build: `call_tokens.refuse_next_key`). The second length recompiles the model's frame once (its sizes
     become dynamic), a third compiles nothing new, and dynamo never reaches its recompile limit. The compiled steps'
     logits, losses, gradients and kept fractions are the uncompiled ones (the dense window layer runs the engine over
     the dense layout rather than SDPA: fp32 rounding)."""
