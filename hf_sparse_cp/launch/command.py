@@ -20,7 +20,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from hf_sparse_cp.config.files import did_you_mean
-from hf_sparse_cp.config.registries import UnregisteredVariant
+from hf_sparse_cp.config.registries import UnregisteredVariant, VariantFlag
 from hf_sparse_cp.trainer.arguments import explicit_fields, help_groups
 from hf_sparse_cp.trainer.plugin_arguments import COMMON_FLAGS, PluginArguments, parsing_for_cpu, parsing_typed_flags
 
@@ -150,6 +150,38 @@ def launched_flags(plugin: PluginArguments, args: Sequence[str], reads_config: b
     explicit = set(plugin.explicit_flags or ()) | after
     with parsing_typed_flags(explicit), parsing_for_cpu(use_cpu):
         return dataclasses.replace(plugin, **{name: values[name] for name in after})
+
+
+# The plugin's flags that name a file of settings (whose sections may name a variant: a budget or SMET mode).
+SETTINGS_FILE_FLAGS = ("--sparse_config", "--smet_config")
+
+
+def launched_cp_degrees(plugin: PluginArguments, args: Sequence[str], reads_config: bool
+                        ) -> tuple[PluginArguments, bool] | None:
+    """Where `launched_flags` meets a variant nobody registered yet (`UnregisteredVariant`: the script registers it,
+    in each process, before its parser reads it): (the arguments it reads without the plugin's flags that may name
+    one, each with its value: a variant's own flag, `VariantFlag`, and a settings file's, `SETTINGS_FILE_FLAGS`;
+    whether --cp_mode was among them), from which the CP degrees the launch must run are read all the same (not the
+    ring's nodes where --cp_mode names the variant: how many ranks a ring spans is its mode's). None where they
+    cannot be read so (TRL's --config file names one, or a setting left needs a dropped one: the processes say)."""
+    parser = _SplitParser()
+    variant_options = {option for action in parser._actions if isinstance(action, VariantFlag)
+                       for option in action.option_strings}
+    dropping = variant_options | set(SETTINGS_FILE_FLAGS) | {flag.replace("_", "-") for flag in SETTINGS_FILE_FLAGS}
+    kept, dropped, args = [], set(), list(args)
+    while args:
+        arg = args.pop(0)
+        flag = arg.split("=", 1)[0]
+        if flag in dropping:
+            dropped.add(flag.replace("-", "_").lstrip("_"))
+            if "=" not in arg and args:
+                args.pop(0)  # (its value)
+            continue
+        kept.append(arg)
+    try:
+        return launched_flags(plugin, kept, reads_config), "cp_mode" in dropped
+    except (OSError, ValueError):  # (`UnregisteredVariant` too: TRL's --config file names one)
+        return None
 
 
 def mistyped_flags_refusal(args: Sequence[str], target: str, is_module: bool) -> str | None:

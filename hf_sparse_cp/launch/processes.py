@@ -166,14 +166,14 @@ def refuse_unrunnable_config(parser: argparse.ArgumentParser, options: argparse.
 
 
 def refuse_unlaunchable(parser: argparse.ArgumentParser, arguments, processes: int,
-                        config: Mapping | None = None) -> None:
+                        config: Mapping | None = None, ring: bool = True) -> None:
     """Exit as argparse ends a bad flag (`parser`'s usage and prog) when `processes` launched processes cannot run
     the CP degrees of `arguments` (the plugin's, `PluginArgumentsMixin`), each of which would refuse them
-    (`check_launch`; under the accelerate `config`, `check_training_arguments` too: a DeepSpeed config), before any
-    starts."""
+    (`check_launch`, its ring's nodes with `ring`; under the accelerate `config`, `check_training_arguments` too: a
+    DeepSpeed config), before any starts."""
     env = launched_env(processes)  # (what the launcher sets in each process)
     try:
-        arguments.check_launch(env)
+        arguments.check_launch(env, ring=ring)
         cp_size = max(cp_size for _, cp_size in arguments.cp_degrees())
         if cp_size > 1 and config and config.get("distributed_type") == "DEEPSPEED":
             # (imports the Trainer, which the launcher's checks otherwise do without)

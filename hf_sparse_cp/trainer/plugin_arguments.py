@@ -290,16 +290,17 @@ class PluginArgumentsMixin(KnownKeywords):
         return [(f"--cp_schedule stage {i} ({stage.text}): ", stage.cp_size)
                 for i, stage in enumerate(parse_schedule(self.cp_schedule))]
 
-    def check_launch(self, env: Mapping[str, str] = os.environ) -> None:
+    def check_launch(self, env: Mapping[str, str] = os.environ, ring: bool = True) -> None:
         """`mesh.check_launched` for the run's CP degrees (`cp_degrees`; a refusal names the stage) in a launch
-        described by `env` (WORLD_SIZE), and `mesh.check_ring` for a run of one CP degree (its hierarchical ring over
-        the launch's nodes: LOCAL_WORLD_SIZE, or --cp_node_size)."""
+        described by `env` (WORLD_SIZE), and, with `ring`, `mesh.check_ring` for a run of one CP degree (its
+        hierarchical ring over the launch's nodes: LOCAL_WORLD_SIZE, or --cp_node_size; how many ranks it spans is
+        the CP mode's)."""
         for where, cp_size in self.cp_degrees():
             try:
                 check_launched([cp_size], env)
             except ValueError as e:
                 raise ValueError(f"{where}{e}") from None
-        if not self.cp_schedule and self.cp_size > 1:
+        if ring and not self.cp_schedule and self.cp_size > 1:
             check_ring(self.context_parallel_config(), env)
 
     def smet_arguments(self) -> SMETArguments:

@@ -1596,6 +1596,38 @@ OWN_RING_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("own", [["--cp_mode", "own_ring"], ["--cp_mode=own_ring"],
+                                 ["--sparse_budget_mode", "own_budget"], ["--sparse_attention_engine", "own_engine"],
+                                 ["--smet", "--smet_mode", "own_smet"], ["--sparse_config", "sparse.yaml"],
+                                 ["--smet", "--smet_config", "smet.yaml"]])
+def test_a_variant_the_script_registers_leaves_the_launchers_cp_checks_on(started, monkeypatch, tmp_path, capsys,
+                                                                          own):
+    """A flag or a settings file after the script's path naming a variant the script registers is left to the
+    processes, and so was everything else the launcher checks before any process starts: `--nproc 2 ... --cp_size 3`
+    started both processes, each refusing the degree (#50). The CP degrees are read without the settings that name
+    variants and refused here; a hierarchical ring's nodes are checked too unless --cp_mode names the variant (how
+    many ranks the ring spans is its mode's), and a degree the launch runs still starts it."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(processes, "accelerator_count", lambda: 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "smet.yaml").write_text("mode: own_smet\ndensity: 0.5\n")
+    (tmp_path / "sparse.yaml").write_text("budget:\n  mode: own_budget\n  share: 0.25\n")
+    err = _refused(capsys, ["launch", "--nproc", "2", "train.py", *own, "--cp_size", "3", "--use_cpu"], cli.main)
+    assert "error: cp_size=3 does not divide the world size 2 (the number of processes)" in err and not started, err
+    ring = ["--cp_size", "2", "--cp_ring", "hierarchical", "--cp_node_size", "3", "--use_cpu"]
+    if own[0].startswith("--cp_mode"):
+        assert cli.main(["launch", "--nproc", "2", "train.py", *own, *ring]) == 0
+    else:
+        err = _refused(capsys, ["launch", "--nproc", "2", "train.py", *own, *ring], cli.main)
+        assert "--cp_node_size" in err and not started, err
+    assert cli.main(["launch", "--nproc", "2", "train.py", *own, "--cp_size", "2", "--use_cpu"]) == 0
+    assert started[-1][-len(own) - 3:] == [*own, "--cp_size", "2", "--use_cpu"]
+
+
 def test_a_flag_naming_a_variant_the_script_registers_is_read_after_the_script_path(
         started, monkeypatch, tmp_path, capsys):
     """`--cp_mode own_ring` (`--sparse_budget_mode`, `--sparse_attention_engine`, `--smet_mode`), own_ring registered
