@@ -447,9 +447,17 @@ def run_one(spec: dict) -> dict:
     return result
 
 
+# The worker's environment (device, versions), written before its run: a run that raises, is killed or times out
+# still reports the device and versions it ran on, so a GPU JSON of failures alone names its GPU.
+ENV_FILE = "env.json"
+
+
 def worker_main(spec_json: str, result_path: str) -> None:
     spec = json.loads(spec_json)
     try:
+        from hf_sparse_cp.env import environment
+
+        Path(result_path).with_name(ENV_FILE).write_text(json.dumps(environment(spec["device"])))
         result = run_one(spec)
     except Exception as e:  # reported as data: one failed configuration must not end the sweep
         result = {"model": spec["model"], "variant": spec["variant"], "seq_len": spec["seq_len"], "status": "error",
@@ -514,14 +522,16 @@ def run_in_subprocess(spec: dict, timeout_s: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "result.json"
         ended = run(spec, result_path, timeout_s)
+        env_path = result_path.with_name(ENV_FILE)
+        env = {"env": json.loads(env_path.read_text())} if env_path.exists() else {}
         if ended is None:
-            return {**base, "status": "timeout", "reason": f"exceeded {timeout_s} s"}
+            return {**base, **env, "status": "timeout", "reason": f"exceeded {timeout_s} s"}
         if result_path.exists():
-            return json.loads(result_path.read_text())
+            return {**env, **json.loads(result_path.read_text())}
         # No result file: the process died (a SIGKILL is usually the kernel's out-of-memory killer).
         returncode, stderr = ended
         status = "oom" if returncode == -9 else "error"
-        return {**base, "status": status, "reason": f"worker exited with {returncode}: {stderr[-2000:]}"}
+        return {**base, **env, "status": status, "reason": f"worker exited with {returncode}: {stderr[-2000:]}"}
 
 
 def memory_check(results: list[dict]) -> list[dict]:

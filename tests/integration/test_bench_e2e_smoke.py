@@ -241,3 +241,25 @@ def test_a_runs_attention_engines_keep_every_reason_each_was_chosen_for(bench):
         engines.logger.removeHandler(handler)
         engines.logger.setLevel(level)
     assert handler.chosen == {"triton": ["auto: columns", "auto: the table"], "flex": ["auto: the table"]}
+
+
+@pytest.mark.parametrize("failure", ["raises", "dies"])
+def test_a_report_of_failed_runs_still_names_the_device_and_versions(bench, monkeypatch, failure):
+    """The 2026-12-04 H200 files of the compiled step (every run failed: an exception, an illegal memory access, a
+    timeout) recorded `"device": "cuda"` and no versions: the worker's environment went down with its run. The worker
+    now writes it first, and every result of the sweep, failed or not, carries it to the report."""
+
+    def failing_run(spec):
+        if failure == "dies":
+            os._exit(3)  # as a CUDA fault ends the process, no result file written
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(bench, "run_one", failing_run)  # the CPU worker is forked from this process
+    spec = {"model": "tiny", "variant": "sparse_cp", "seq_len": 512, "device": "cpu"}
+    result = bench.run_in_subprocess(spec, timeout_s=120)
+    assert result["status"] == "error", result
+    assert result["env"]["device"].startswith("CPU") and result["env"]["torch"], result
+    args, sparse = bench.parse_args(["--tiny", "--device", "cpu"])
+    report = bench.build_report(args, sparse, [result], "cpu", complete=True)
+    assert report["device"].startswith("CPU") and report["torch"] and report["transformers"]
+    assert not any("env" in r for r in report["results"])
