@@ -280,9 +280,10 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
 
 
 # How far measured peaks were from the predictions (docs/memory.md, "Validation"): within 2% below on CPU processes
-# (4K-64K tokens, benchmarks/memory_model.py), and 6-26% above on one H100 (Qwen2.5-0.5B, 64K-256K: what the CUDA
-# context and the caching allocator add). The band (measured / predicted) every answer is printed with.
-MEASURED_BAND = (0.98, 1.26)
+# (4K-64K tokens, benchmarks/memory_model.py), 6-26% above on one H100 (Qwen2.5-0.5B, 64K-256K, before the held
+# layouts were counted), and 1-6% below on one H200 after (6% at 512K). The band (measured / predicted) every answer
+# is printed with spans them all: its top keeps the H100's runs, which are the only ones over.
+MEASURED_BAND = (0.94, 1.26)
 
 
 def architecture(args: argparse.Namespace) -> Architecture:
