@@ -46,6 +46,7 @@ from .shapes import (
     MoeBytes,
     SavedBytes,
     check_decoder,
+    check_routing_tensors,
     layer_saved,
     meta_model,
     moe_bytes,
@@ -200,6 +201,7 @@ class Architecture:
         """
         where = where or name or getattr(config, "model_type", "the config")
         kv_heads = check_decoder(config, where)[1]  # (before the build, whose own errors would name less)
+        check_routing_tensors(config, where)
         lean = config.model_type in LEAN_LOSS_FAMILIES
         if not lean and getattr(config, "final_logit_softcapping", None) is not None:
             raise ValueError(f"{where}: final_logit_softcapping={config.final_logit_softcapping}: the stock loss of "

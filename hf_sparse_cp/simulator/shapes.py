@@ -599,14 +599,6 @@ def check_decoder(config: Any, where: str) -> tuple[int, int, int]:
                          f"{family!r}, whose {why} the predictions do not model (they model the experts of "
                          f"{', '.join(MOE_FAMILIES)}); give the config.json of one of those or of a dense model, or a "
                          "preset (--model).")
-    if experts and getattr(config, "output_router_logits", False):
-        raise ValueError(f"{where}: output_router_logits=True: the stock loss adds the router's auxiliary loss over "
-                         "every layer's router logits, kept to the loss, which the predictions do not model; give "
-                         "output_router_logits false, or a preset (--model).")
-    if experts and getattr(config, "router_jitter_noise", 0):
-        raise ValueError(f"{where}: router_jitter_noise={config.router_jitter_noise}: training multiplies each MLP's "
-                         "input by noise, whose tensors the predictions do not model; give 0.0, or a preset "
-                         "(--model).")
     missing = [field for field in DECODER_FIELDS if getattr(config, field, None) is None
                and not (field == "intermediate_size" and intermediate_width(config) is not None)]
     text = language_config(config)
@@ -635,6 +627,23 @@ def check_decoder(config: Any, where: str) -> tuple[int, int, int]:
                          f"{kv_heads} (each key/value head serves a group of query heads); give the config's "
                          "own head counts.")
     return heads, kv_heads, head_dim or config.hidden_size // heads
+
+
+def check_routing_tensors(config: Any, where: str) -> None:
+    """Raise ValueError, naming the field and the fix, where a mixture of experts' config makes training hold tensors
+    the memory predictions do not count: the router's auxiliary loss over every layer's router logits (kept to the
+    loss), the noise multiplying each MLP's input. (Their time is a [tokens, experts] softmax and an elementwise
+    product a layer: `simulate` takes them.)"""
+    if not any(getattr(config, field, None) for field in EXPERT_COUNTS):
+        return
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(f"{where}: output_router_logits=True: the stock loss adds the router's auxiliary loss over "
+                         "every layer's router logits, kept to the loss, which the predictions do not model; give "
+                         "output_router_logits false, or a preset (--model).")
+    if getattr(config, "router_jitter_noise", 0):
+        raise ValueError(f"{where}: router_jitter_noise={config.router_jitter_noise}: training multiplies each MLP's "
+                         "input by noise, whose tensors the predictions do not model; give 0.0, or a preset "
+                         "(--model).")
 
 
 @dataclass(frozen=True)

@@ -273,3 +273,23 @@ def test_a_config_s_report_names_no_preset(tmp_path, capsys):
     capsys.readouterr()
     report = json.loads((tmp_path / "sim.json").read_text())
     assert report["args"]["model"] is None and report["args"]["config"] == str(tmp_path / "tiny")
+
+
+@pytest.mark.parametrize("fields", [dict(output_router_logits=True), dict(router_jitter_noise=0.1)])
+def test_simulate_times_a_mixture_of_experts_with_a_router_loss_or_jitter_as_without(fields, tmp_path, capsys):
+    """The router's auxiliary loss and its input noise hold tensors the memory predictions do not count (`memory`
+    refuses them: test_memory_moe.py), and cost a softmax over [tokens, experts] and an elementwise product a
+    layer: `simulate` refused them as `memory` does, for its memory reasons. It times the model as without them."""
+    from hf_sparse_cp.cli import main
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    pytest.importorskip("matplotlib")
+    times = {}
+    for name, given in (("plain", {}), ("routed", fields)):
+        folder = tmp_path / name
+        tiny_config("mixtral", vocab_size=300, **given).save_pretrained(folder)
+        out = tmp_path / f"{name}.json"
+        main(["simulate", "--config", str(folder), "--seq", "65536", "--cp", "4", "--json", str(out)])
+        times[name] = [round(row["step_s"], 12) for row in json.loads(out.read_text())["rows"]]
+    capsys.readouterr()
+    assert times["plain"] and times["routed"] == times["plain"]
