@@ -49,6 +49,19 @@ def started(monkeypatch):
     return commands
 
 
+@pytest.fixture
+def cpu_launch_folder(monkeypatch, tmp_path):
+    """`tmp_path`, the current directory, holding an empty train.py, on a machine without accelerators, outside any
+    launch (no WORLD_SIZE): where the launcher's checks before any process starts run as a user's."""
+    from hf_sparse_cp.launch import processes
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(processes, "accelerator_count", lambda: 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    (tmp_path / "train.py").write_text("")
+    return tmp_path
+
+
 def test_the_scripts_parser_takes_the_plugins_flags_beside_its_own(tmp_path):
     stock = _stock_members()
     plugin = parse_plugin_flags(["--sparse_block_size", "64", "--cp_sharding", "zigzag"])
@@ -1530,21 +1543,16 @@ def test_the_launchers_device_flags_parse_as_the_training_arguments_flags():
 
 
 def test_a_config_file_naming_a_variant_the_script_registers_is_read_after_the_script_path(
-        started, monkeypatch, tmp_path, capsys):
+        started, cpu_launch_folder, capsys):
     """A plug-in's variant (here a SMET mode) is registered by the script, which the launcher does not run: a config
     file naming it among the script's arguments, which each process's parser reads once the script's imports ran,
     was refused by the launcher as a mode nobody registered, so no launch could use it (#50). The launcher leaves
     it to the processes; before the script's path, where every process reads it before the script runs too, it is
     refused naming where it goes."""
     from hf_sparse_cp import cli
-    from hf_sparse_cp.launch import processes
 
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(processes, "accelerator_count", lambda: 0)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    (tmp_path / "train.py").write_text("")
-    (tmp_path / "smet.yaml").write_text("mode: own_mode\ndensity: 0.5\n")
-    (tmp_path / "sparse.yaml").write_text("budget_mode: own_budget\n")
+    (cpu_launch_folder / "smet.yaml").write_text("mode: own_mode\ndensity: 0.5\n")
+    (cpu_launch_folder / "sparse.yaml").write_text("budget_mode: own_budget\n")
     for config in (["--smet", "--smet_config", "smet.yaml"], ["--sparse_config", "sparse.yaml"]):
         assert cli.main(["launch", "--nproc", "2", "train.py", *config, "--use_cpu"]) == 0
         assert started[-1][-len(config) - 2:] == ["train.py", *config, "--use_cpu"]
@@ -1554,26 +1562,21 @@ def test_a_config_file_naming_a_variant_the_script_registers_is_read_after_the_s
             "before the script runs: a flag or a config file naming a variant the script registers goes after its "
             "path") in err
     # a value of the wrong kind is no variant's name: refused before any process starts, as before
-    (tmp_path / "smet.yaml").write_text("mode: [own_mode]\n")
+    (cpu_launch_folder / "smet.yaml").write_text("mode: [own_mode]\n")
     err = _refused(capsys, ["launch", "--nproc", "2", "train.py", "--smet", "--smet_config", "smet.yaml"], cli.main)
     assert "mode=['own_mode'] (list) is not valid" in err and "script's path" not in err
 
 
 def test_a_config_file_giving_the_fields_of_a_budget_mode_the_script_registers_is_read_after_the_script_path(
-        started, monkeypatch, tmp_path, capsys):
+        started, cpu_launch_folder, capsys):
     """A budget mode of one's own with fields: they go in the --sparse_config file (the mode has no flags), whose
     budget section the launcher read for its keys before its mode, refusing the file ('Unknown budget key
     'share'') among the script's arguments, where the script registers the mode, and naming no mode before its path
     (#50). The section's mode is read first: after the path the file is left to the processes, before it the
     refusal names the mode and where the file goes."""
     from hf_sparse_cp import cli
-    from hf_sparse_cp.launch import processes
 
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(processes, "accelerator_count", lambda: 0)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    (tmp_path / "train.py").write_text("")
-    (tmp_path / "sparse.yaml").write_text("budget:\n  mode: own_budget\n  share: 0.25\n")
+    (cpu_launch_folder / "sparse.yaml").write_text("budget:\n  mode: own_budget\n  share: 0.25\n")
     assert cli.main(["launch", "--nproc", "2", "train.py", "--sparse_config", "sparse.yaml", "--use_cpu"]) == 0
     assert started[-1][-4:] == ["train.py", "--sparse_config", "sparse.yaml", "--use_cpu"]
     err = _refused(capsys, ["launch", "--nproc", "2", "--sparse_config", "sparse.yaml", "train.py"], cli.main)
@@ -1600,22 +1603,16 @@ OWN_RING_SCRIPT = textwrap.dedent("""
                                  ["--sparse_budget_mode", "own_budget"], ["--sparse_attention_engine", "own_engine"],
                                  ["--smet", "--smet_mode", "own_smet"], ["--sparse_config", "sparse.yaml"],
                                  ["--smet", "--smet_config", "smet.yaml"]])
-def test_a_variant_the_script_registers_leaves_the_launchers_cp_checks_on(started, monkeypatch, tmp_path, capsys,
-                                                                          own):
+def test_a_variant_the_script_registers_leaves_the_launchers_cp_checks_on(started, cpu_launch_folder, capsys, own):
     """A flag or a settings file after the script's path naming a variant the script registers is left to the
     processes, and so was everything else the launcher checks before any process starts: `--nproc 2 ... --cp_size 3`
     started both processes, each refusing the degree (#50). The CP degrees are read without the settings that name
     variants and refused here; a hierarchical ring's nodes are checked too unless --cp_mode names the variant (how
     many ranks the ring spans is its mode's), and a degree the launch runs still starts it."""
     from hf_sparse_cp import cli
-    from hf_sparse_cp.launch import processes
 
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(processes, "accelerator_count", lambda: 0)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    (tmp_path / "train.py").write_text("")
-    (tmp_path / "smet.yaml").write_text("mode: own_smet\ndensity: 0.5\n")
-    (tmp_path / "sparse.yaml").write_text("budget:\n  mode: own_budget\n  share: 0.25\n")
+    (cpu_launch_folder / "smet.yaml").write_text("mode: own_smet\ndensity: 0.5\n")
+    (cpu_launch_folder / "sparse.yaml").write_text("budget:\n  mode: own_budget\n  share: 0.25\n")
     err = _refused(capsys, ["launch", "--nproc", "2", "train.py", *own, "--cp_size", "3", "--use_cpu"], cli.main)
     assert "error: cp_size=3 does not divide the world size 2 (the number of processes)" in err and not started, err
     ring = ["--cp_size", "2", "--cp_ring", "hierarchical", "--cp_node_size", "3", "--use_cpu"]
@@ -1639,7 +1636,7 @@ def test_the_settings_files_the_launcher_reads_without_are_every_plugin_flag_of_
 
 
 def test_a_flag_naming_a_variant_the_script_registers_is_read_after_the_script_path(
-        started, monkeypatch, tmp_path, capsys):
+        started, cpu_launch_folder, monkeypatch, capsys):
     """`--cp_mode own_ring` (`--sparse_budget_mode`, `--sparse_attention_engine`, `--smet_mode`), own_ring registered
     by the script on import, was refused by the script's parser (HfArgumentParser's choices: the built-in modes), by
     the launcher before any process started, and before the script's path the launcher found no script at all (#50).
@@ -1648,13 +1645,9 @@ def test_a_flag_naming_a_variant_the_script_registers_is_read_after_the_script_p
     naming where it goes."""
     from hf_sparse_cp import cli
     from hf_sparse_cp.distributed.modes import base as cp_mode_registry
-    from hf_sparse_cp.launch import processes
 
     monkeypatch.setattr(cp_mode_registry._MODES, "_entries", dict(cp_mode_registry._MODES._entries))
-    monkeypatch.setattr(processes, "accelerator_count", lambda: 0)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "train.py").write_text(OWN_RING_SCRIPT)
+    (cpu_launch_folder / "train.py").write_text(OWN_RING_SCRIPT)
     own = [["--cp_mode", "own_ring"], ["--sparse_budget_mode", "own_budget"],
            ["--sparse_attention_engine", "own_engine"], ["--smet", "--smet_mode", "own_smet"]]
     flags = ["--cp_size", "2", *(arg for given in own for arg in given), "--use_cpu"]
@@ -1668,6 +1661,6 @@ def test_a_flag_naming_a_variant_the_script_registers_is_read_after_the_script_p
             "'ulysses', 'hybrid' (a mode of your own: hf_sparse_cp.distributed.register_cp_mode(instance) first). "
             "(The flags before the script's path are read before the script runs: a flag or a config file naming a "
             "variant the script registers goes after its path, where the script's parser reads it.)") in err, err
-    run(["train.py", "--output_dir", str(tmp_path / "out"), "--use_cpu", "--report_to", "none",
+    run(["train.py", "--output_dir", str(cpu_launch_folder / "out"), "--use_cpu", "--report_to", "none",
          "--cp_mode", "own_ring"])
     assert "selected own_ring" in capsys.readouterr().out
