@@ -19,6 +19,7 @@ A100 figures are the H100 measurements scaled by the ratio of the datasheets' de
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -109,19 +110,42 @@ def _units(s: int, density: float) -> tuple[float, float]:
     return nb, density * nb * (nb + 1) / 2
 
 
+def least_squares(x: list[list[float]], y: list[float]) -> list[float]:
+    """The coefficients c minimising |x c - y| (x: rows of a few columns, of full column rank), by a QR factorisation
+    (modified Gram-Schmidt) in Python floats: the same bits on every run, where LAPACK's least squares (torch.linalg
+    .lstsq) gave fits differing in their last digits from one run of the same command to the next."""
+    columns = [[row[j] for row in x] for j in range(len(x[0]))]
+    q, r = [], [[0.0] * len(columns) for _ in columns]
+    for j, column in enumerate(columns):
+        v = list(column)
+        for i, qi in enumerate(q):
+            r[i][j] = sum(a * b for a, b in zip(qi, v))
+            v = [a - r[i][j] * b for a, b in zip(v, qi)]
+        r[j][j] = math.sqrt(sum(a * a for a in v))
+        q.append([a / r[j][j] for a in v])
+    qty = [sum(a * b for a, b in zip(qi, y)) for qi in q]
+    coef = [0.0] * len(columns)
+    for j in reversed(range(len(columns))):
+        coef[j] = (qty[j] - sum(r[j][k] * coef[k] for k in range(j + 1, len(columns)))) / r[j][j]
+    return coef
+
+
+def _worst_error(x: list[list[float]], coef: list[float], y: list[float]) -> float:
+    """The largest relative error of the fit `coef` over the rows."""
+    return max(abs(sum(a * c for a, c in zip(row, coef)) - t) / abs(t) for row, t in zip(x, y))
+
+
 def fit_kernel(rows: list[tuple], *, with_rows: bool) -> tuple[KernelCosts, KernelCosts, float]:
     """Least-squares per-head costs (forward, backward) from (S, density, fwd ms, fwd+bwd ms) rows;
     the worst relative error of the fit over the rows."""
-    x = torch.tensor([_units(s, d) for s, d, _, _ in rows], dtype=torch.float64) * _HEADS
-    if not with_rows:
-        x = x[:, 1:]
-    fwd = torch.tensor([f for _, _, f, _ in rows], dtype=torch.float64) * 1e-3
-    bwd = torch.tensor([t - f for _, _, f, t in rows], dtype=torch.float64) * 1e-3
+    x = [[unit * _HEADS for unit in _units(s, d)][0 if with_rows else 1:] for s, d, _, _ in rows]
+    fwd = [f * 1e-3 for _, _, f, _ in rows]
+    bwd = [(t - f) * 1e-3 for _, _, f, t in rows]
     costs, worst = [], 0.0
     for y in (fwd, bwd):
-        coef = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.flatten()
-        worst = max(worst, float(((x @ coef - y) / y).abs().max()))
-        row, block = (float(coef[0]), float(coef[1])) if with_rows else (0.0, float(coef[0]))
+        coef = least_squares(x, y)
+        worst = max(worst, _worst_error(x, coef, y))
+        row, block = (coef[0], coef[1]) if with_rows else (0.0, coef[0])
         costs.append(KernelCosts(row=row, block=block))
     return costs[0], costs[1], worst
 
@@ -129,12 +153,12 @@ def fit_kernel(rows: list[tuple], *, with_rows: bool) -> tuple[KernelCosts, Kern
 def fit_linear(model: ModelShape, steps: list[tuple[int, float]]) -> tuple[float, float]:
     """(FLOP/s of the non-attention work, worst relative error): step = a S + c S^2 fitted by least
     squares, a read as the linear layers and LM head at one rate (gradient checkpointing on)."""
-    x = torch.tensor([[s, s * s] for s, _ in steps], dtype=torch.float64)
-    y = torch.tensor([t for _, t in steps], dtype=torch.float64)
-    coef = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.flatten()
+    x = [[float(s), float(s) * s] for s, _ in steps]
+    y = [float(t) for _, t in steps]
+    coef = least_squares(x, y)
     per_layer, head = model.linear_flops(recompute=True)
-    rate = (model.layers * per_layer + head) / float(coef[0])
-    return rate, float(((x @ coef - y) / y).abs().max())
+    rate = (model.layers * per_layer + head) / coef[0]
+    return rate, _worst_error(x, coef, y)
 
 
 def h100(*, dense_kernel: str = "cudnn", sparse_kernel: str = "ours") -> Hardware:

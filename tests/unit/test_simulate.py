@@ -566,3 +566,23 @@ def test_training_s_cp_size_is_taken_and_a_mistyped_flag_names_the_close_one(com
     assert refused.value.code == 2
     assert "unrecognized arguments: --cp_mdoe ulysses; did you mean --cp_mode for --cp_mdoe?" in capsys.readouterr().err
 
+
+
+def test_the_fits_least_squares_equals_lapacks_in_python_floats():
+    """The simulator's fits (our kernels' per-row and per-block costs, the linear layers' rate) gave their last digits
+    differently from one `simulate` run to the next (torch.linalg.lstsq), so two runs of one command wrote different
+    JSON: `step_model.least_squares` solves them in Python floats, the same bits every run, equal to LAPACK's to
+    1e-12 on the fits' own shapes (columns of block rows and pairs; S and S^2 from 32K to 256K) and exact on a
+    consistent system."""
+    from hf_sparse_cp.simulator.step_model import H100_LIGER, least_squares
+
+    generator = torch.Generator().manual_seed(0)
+    s = [float(n) for n, _ in H100_LIGER["qwen2.5-0.5b"]]
+    shapes = [[[n, n * n] for n in s], [[n / 128, 0.05 * (n / 128) ** 2 / 2] for n in s], [[n] for n in s]]
+    for x in shapes:
+        y = (torch.rand(len(x), dtype=torch.float64, generator=generator) + 0.5).tolist()
+        ours = least_squares(x, y)
+        x64, y64, ours64 = (torch.tensor(v, dtype=torch.float64) for v in (x, y, ours))
+        lapack = torch.linalg.lstsq(x64, y64[:, None]).solution.flatten()
+        assert torch.allclose(ours64, lapack, rtol=1e-12, atol=0), (ours, lapack)
+    assert least_squares([[1.0, 2.0], [3.0, 1.0], [0.0, 1.0]], [5.0, 5.0, 2.0]) == pytest.approx([1.0, 2.0], abs=1e-15)
