@@ -1013,26 +1013,28 @@ def test_a_config_that_is_not_text_is_refused_naming_the_file(command, tmp_path,
     assert f"--config {weights}: not JSON text (a binary file); give a model's config.json" in err, err
 
 
-@pytest.mark.parametrize("command", ["memory", "simulate"])
-def test_a_multimodal_config_names_its_text_config_as_the_fix(command, tmp_path, capsys):
+def test_a_multimodal_config_names_its_text_config_as_the_fix(tmp_path, capsys):
     """A Gemma 3 4B-style config.json (model_type 'gemma3': the language model's fields under text_config) was refused
     as missing num_hidden_layers, hidden_size, ... with "add the missing field(s)", while they are in the file: it is
-    named as a multimodal model, with the command that writes its language model's config, which then answers."""
+    named as a multimodal model by memory and simulate alike, with the command that writes its language model's config
+    (one command, the same in both refusals: run once), which then answers."""
     from transformers import AutoConfig
 
     folder = tmp_path / "gemma-3-4b"
     AutoConfig.for_model("gemma3").save_pretrained(folder)
-    rest = ["--quiet"] if command == "memory" else ["--seq", "8192", "--cp", "2"]
-    with pytest.raises(SystemExit) as refused:
-        cli_main([command, "--config", str(folder), *rest])
-    out, err = capsys.readouterr()
-    assert refused.value.code == 2 and out == "" and "Traceback" not in err, err
-    assert (f"--config {folder}: model_type 'gemma3' holds its language model's fields under text_config (model_type "
-            "'gemma3_text')") in err, err
-    assert "add the missing field" not in err
-    fix = re.search(r"`python -c \"(.*?)\"`", err).group(1).replace("DIR", str(folder)).replace(
-        "text_config'", str(tmp_path / "text_config") + "'")
-    exec(fix)  # (the fix's own command; its answer, the memory command's: simulate's plot starts a process)
+    fixes = set()
+    for command, rest in (("memory", ["--quiet"]), ("simulate", ["--seq", "8192", "--cp", "2"])):
+        with pytest.raises(SystemExit) as refused:
+            cli_main([command, "--config", str(folder), *rest])
+        out, err = capsys.readouterr()
+        assert refused.value.code == 2 and out == "" and "Traceback" not in err, (command, err)
+        assert (f"--config {folder}: model_type 'gemma3' holds its language model's fields under text_config "
+                "(model_type 'gemma3_text')") in err, (command, err)
+        assert "add the missing field" not in err, command
+        fixes.add(re.search(r"`python -c \"(.*?)\"`", err).group(1))
+    (fix,) = fixes  # (each command names the same fix)
+    exec(fix.replace("DIR", str(folder)).replace("text_config'", str(tmp_path / "text_config") + "'"))
+    # (the fix's own command; its answer, the memory command's: simulate's plot starts a process)
     cli_main(["memory", "--config", str(tmp_path / "text_config"), "--quiet"])
     assert capsys.readouterr().out.strip().isdigit()
 
