@@ -130,6 +130,38 @@ def launched_flags(plugin: PluginArguments, args: Sequence[str], reads_config: b
     there), naming the fix, before any process starts. Read as written, without the script's parser: only flags
     spelled whole (a prefix of one may be the script's own flag), the script's own arguments left alone; None where
     that parser alone can say (a value it refuses)."""
+    read = _read_after_path(plugin, args, reads_config)
+    return None if read is None else _applied(plugin, *read)
+
+
+# The plugin's settings that name a file of settings (whose sections may name a variant: a budget or SMET mode).
+SETTINGS_FILES = ("sparse_config", "smet_config")
+
+
+def launched_cp_degrees(plugin: PluginArguments, args: Sequence[str], reads_config: bool
+                        ) -> tuple[PluginArguments, bool] | None:
+    """Where `launched_flags` meets a variant nobody registered yet (`UnregisteredVariant`: the script registers it,
+    in each process, before its parser reads it): (the arguments as `launched_flags` reads them, less the settings
+    given that may name one: a variant's own, `VariantFlag`, and a settings file, `SETTINGS_FILES`; whether
+    --cp_mode was among them), from which the CP degrees the launch must run are read all the same (not the ring's
+    nodes where --cp_mode names the variant: how many ranks a ring spans is its mode's). None where they cannot be
+    read so (a setting left needs one left out: the processes say)."""
+    read = _read_after_path(plugin, args, reads_config)
+    if read is None:
+        return None
+    after, values, use_cpu = read
+    may_name = {action.dest for action in _SplitParser()._actions if isinstance(action, VariantFlag)}
+    left_out = after & (may_name | set(SETTINGS_FILES))
+    try:
+        return _applied(plugin, after - left_out, values, use_cpu), "cp_mode" in left_out
+    except (OSError, ValueError):
+        return None
+
+
+def _read_after_path(plugin: PluginArguments, args: Sequence[str], reads_config: bool
+                     ) -> tuple[set[str], dict[str, Any], bool] | None:
+    """What `launched_flags` reads among `args`: (the plugin's settings given, by field name, their values, whether
+    the script trains on the CPU); None where the script's parser alone can say."""
     parser = _SplitParser(allow_abbrev=False)
     # (--use_cpu read as the script's parser reads it only where given: that parser imports transformers' model code)
     cpu_given = any(arg.split("=")[0] == "--use_cpu" for arg in args)
@@ -144,44 +176,16 @@ def launched_flags(plugin: PluginArguments, args: Sequence[str], reads_config: b
         return None
     if cpu_given and script is None:  # (--use_cpu maybe)
         return None
-    use_cpu = bool(script and script.use_cpu)
+    return after, values, bool(script and script.use_cpu)
+
+
+def _applied(plugin: PluginArguments, after: set[str], values: dict[str, Any], use_cpu: bool) -> PluginArguments:
+    """`plugin` with the settings `after` of `values`, checked as a process checks them (on the CPU with `use_cpu`)."""
     if not after and not use_cpu:
         return plugin
     explicit = set(plugin.explicit_flags or ()) | after
     with parsing_typed_flags(explicit), parsing_for_cpu(use_cpu):
         return dataclasses.replace(plugin, **{name: values[name] for name in after})
-
-
-# The plugin's flags that name a file of settings (whose sections may name a variant: a budget or SMET mode).
-SETTINGS_FILE_FLAGS = ("--sparse_config", "--smet_config")
-
-
-def launched_cp_degrees(plugin: PluginArguments, args: Sequence[str], reads_config: bool
-                        ) -> tuple[PluginArguments, bool] | None:
-    """Where `launched_flags` meets a variant nobody registered yet (`UnregisteredVariant`: the script registers it,
-    in each process, before its parser reads it): (the arguments it reads without the plugin's flags that may name
-    one, each with its value: a variant's own flag, `VariantFlag`, and a settings file's, `SETTINGS_FILE_FLAGS`;
-    whether --cp_mode was among them), from which the CP degrees the launch must run are read all the same (not the
-    ring's nodes where --cp_mode names the variant: how many ranks a ring spans is its mode's). None where they
-    cannot be read so (TRL's --config file names one, or a setting left needs a dropped one: the processes say)."""
-    parser = _SplitParser()
-    variant_options = {option for action in parser._actions if isinstance(action, VariantFlag)
-                       for option in action.option_strings}
-    dropping = variant_options | set(SETTINGS_FILE_FLAGS) | {flag.replace("_", "-") for flag in SETTINGS_FILE_FLAGS}
-    kept, dropped, args = [], set(), list(args)
-    while args:
-        arg = args.pop(0)
-        flag = arg.split("=", 1)[0]
-        if flag in dropping:
-            dropped.add(flag.replace("-", "_").lstrip("_"))
-            if "=" not in arg and args:
-                args.pop(0)  # (its value)
-            continue
-        kept.append(arg)
-    try:
-        return launched_flags(plugin, kept, reads_config), "cp_mode" in dropped
-    except (OSError, ValueError):  # (`UnregisteredVariant` too: TRL's --config file names one)
-        return None
 
 
 def mistyped_flags_refusal(args: Sequence[str], target: str, is_module: bool) -> str | None:

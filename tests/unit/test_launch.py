@@ -1626,13 +1626,13 @@ def test_a_variant_the_script_registers_leaves_the_launchers_cp_checks_on(starte
 
 
 def test_the_settings_files_the_launcher_reads_without_are_every_plugin_flag_of_a_file():
-    """`launched_cp_degrees` drops the flags of settings files (whose sections may name a variant): every plugin flag
+    """`launched_cp_degrees` leaves out the settings files (whose sections may name a variant): every plugin flag
     that takes a YAML/JSON file, so a new one cannot be missed."""
-    from hf_sparse_cp.launch.command import SETTINGS_FILE_FLAGS
+    from hf_sparse_cp.launch.command import SETTINGS_FILES
 
-    files = [f"--{field.name}" for field in dataclasses.fields(PluginArguments)
+    files = [field.name for field in dataclasses.fields(PluginArguments)
              if "YAML/JSON file" in field.metadata.get("help", "")]
-    assert sorted(files) == sorted(SETTINGS_FILE_FLAGS)
+    assert sorted(files) == sorted(SETTINGS_FILES)
 
 
 def test_a_flag_naming_a_variant_the_script_registers_is_read_after_the_script_path(
