@@ -439,6 +439,10 @@ class _BlockRecorder(StorageRecorder):
         if func is torch.ops.aten._to_copy.default and storage_id(args[0]) in self.sources:
             self.copies.add(number)
 
+    def curve(self, start: int, end: int, left_out: set[int] = frozenset()) -> list[int]:
+        """The recorder's curve, the copies of the sources not counted either."""
+        return super().curve(start, end, left_out | self.copies)
+
 
 def moe_at(block: torch.nn.Module, tokens: int, dtype: torch.dtype, autocast: torch.dtype | None = None
            ) -> tuple[list[int], ...]:
@@ -458,13 +462,13 @@ def moe_at(block: torch.nn.Module, tokens: int, dtype: torch.dtype, autocast: to
     with _AttentionStandIn() if meta else contextlib.nullcontext(), live:
         with torch.no_grad(), casts():
             block(x)
-        forward = live.curve(0, len(live.events), live.copies)
+        forward = live.curve(0, len(live.events))
         start = len(live.events)
         with casts():
             y = block(x)
         grad = torch.randn_like(y)
         left_out = {live.number(grad)}
-        recomputed = live.curve(start, len(live.events), left_out | live.copies)
+        recomputed = live.curve(start, len(live.events), left_out)
         saved = recomputed[-1] - y.untyped_storage().nbytes()
         left_out.add(live.number(y))
         middle = len(live.events)
@@ -472,7 +476,7 @@ def moe_at(block: torch.nn.Module, tokens: int, dtype: torch.dtype, autocast: to
         left_out |= {live.number(p.grad) for p in block.parameters() if p.grad is not None}
     for p in block.parameters():
         p.grad = None
-    return forward, recomputed, [saved], live.curve(middle, len(live.events), left_out | live.copies)
+    return forward, recomputed, [saved], live.curve(middle, len(live.events), left_out)
 
 
 def moe_bytes(model: torch.nn.Module, dtype: torch.dtype, where: str, autocast: bool = False) -> MoeBytes:
@@ -629,12 +633,17 @@ def check_decoder(config: Any, where: str) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim or config.hidden_size // heads
 
 
+def _routes_to_experts(config: Any) -> bool:
+    """Whether `config` gives an expert count (`EXPERT_COUNTS`) at its top level: a mixture of experts."""
+    return any(getattr(config, field, None) for field in EXPERT_COUNTS)
+
+
 def check_routing_tensors(config: Any, where: str) -> None:
     """Raise ValueError, naming the field and the fix, where a mixture of experts' config makes training hold tensors
     the memory predictions do not count: the router's auxiliary loss over every layer's router logits (kept to the
     loss), the noise multiplying each MLP's input. (Their time is a [tokens, experts] softmax and an elementwise
     product a layer: `simulate` takes them.)"""
-    if not any(getattr(config, field, None) for field in EXPERT_COUNTS):
+    if not _routes_to_experts(config):
         return
     if getattr(config, "output_router_logits", False):
         raise ValueError(f"{where}: output_router_logits=True: the stock loss adds the router's auxiliary loss over "
@@ -735,7 +744,7 @@ class ModelShape:
         heads, kv_heads, head_dim = check_decoder(config, where)
         windows = layer_windows(config, where)
         model = model if model is not None else meta_model(config, where)
-        if any(getattr(config, field, None) for field in EXPERT_COUNTS):
+        if _routes_to_experts(config):
             experts, per_token, width, others, activation = moe_form(model, config, where)
             gated, moe = True, {"experts": experts, "experts_per_token": per_token, "moe_weights": others}
         else:
