@@ -263,11 +263,11 @@ def skip_reason(variant: str, device_type: str) -> str | None:
 
 
 def step_settings(sparse: dict, tiled: bool, offload_layer_inputs: bool, loss_backend: str):
-    """The memory model's settings (`hf_sparse_cp.simulator.memory_model.StepSettings`) of a sparse run: a bf16
+    """The memory model's settings (`hf_sparse_cp.simulator.memory_model.settings.StepSettings`) of a sparse run: a bf16
     model, AdamW, gradient checkpointing, the run's pattern, token tiles and loss backend."""
     from hf_sparse_cp import SparseAttentionConfig
     from hf_sparse_cp.memory import MemorySavers
-    from hf_sparse_cp.simulator.memory_model import StepSettings
+    from hf_sparse_cp.simulator.memory_model.settings import StepSettings
 
     return StepSettings(loss_backend=loss_backend, pattern=SparseAttentionConfig.from_dict(sparse),
                         savers=MemorySavers(tiled=tiled, offload_layer_inputs=offload_layer_inputs))
@@ -277,7 +277,8 @@ def predicted_peak_gib(model_name: str, seq_len: int, settings) -> float:
     """The memory model's peak of one training step of a `MODEL_SHAPES` model at `seq_len` tokens, in GiB."""
     from transformers import Qwen2Config
 
-    from hf_sparse_cp.simulator.memory_model import Architecture, predict_step_memory
+    from hf_sparse_cp.simulator.memory_model.architecture import Architecture
+    from hf_sparse_cp.simulator.memory_model.step import predict_step_memory
 
     arch = Architecture.from_config(Qwen2Config(**MODEL_SHAPES[model_name]), model_name)
     return predict_step_memory(arch, seq_len, settings).peak_bytes / 2**30
@@ -473,7 +474,7 @@ def worker_main(spec_json: str, result_path: str) -> None:
 CPU_PRELOAD = ("torch", "transformers.models.qwen2.modeling_qwen2", "hf_sparse_cp.env", "hf_sparse_cp.loss",
                "hf_sparse_cp.testing.benchmarking", "hf_sparse_cp.integration.fused_ops",
                "hf_sparse_cp.integration.memory_savers", "hf_sparse_cp.integration.stats",
-               "hf_sparse_cp.simulator.memory_model")
+               "hf_sparse_cp.simulator.memory_model.step")
 
 
 def _forked_worker(spec_json: str, result_path: str, log_path: str) -> None:

@@ -17,7 +17,7 @@ bf16 too), gradient checkpointing (non-reentrant), the `sparse_cp` backend with 
 from the first layer on (CPU: the PyTorch reference), the lean loss (chunked PyTorch), one
 sequence of S tokens. A warm-up step of 256 tokens (a run's `warmup_len`) creates the optimizer state first.
 
-Prediction: `hf_sparse_cp.simulator.memory_model.predict_step_memory` for the same shape, length, settings and
+Prediction: `hf_sparse_cp.simulator.memory_model.step.predict_step_memory` for the same shape, length, settings and
 implementation ('reference'); the measured peak minus the baseline is compared with the predicted
 tensor bytes, per phase. Each run's terms are in the JSON.
 
@@ -245,14 +245,14 @@ def cpu_settings(run: dict):
     """The `StepSettings` of a measured run (CPU: the reference attention, AdamW per tensor)."""
     from hf_sparse_cp import SparseAttentionConfig
     from hf_sparse_cp.memory import MemorySavers
-    from hf_sparse_cp.simulator.memory_model import StepSettings
+    from hf_sparse_cp.simulator.memory_model.settings import StepSettings
 
     return StepSettings(device="cpu", pattern=SparseAttentionConfig(**run.get("pattern", PATTERN)),
                         savers=MemorySavers(**run.get("savers", {})))
 
 
 def architecture(model: str, seq_len: int):
-    from hf_sparse_cp.simulator.memory_model import Architecture
+    from hf_sparse_cp.simulator.memory_model.architecture import Architecture
 
     return Architecture.from_config(model_config(model, seq_len), model)
 
@@ -264,7 +264,7 @@ def validate(run: dict) -> dict:
     model's tensor bytes plus the runtime's own memory, read from the same process: its resident set
     after the warm-up step minus the predicted weights and optimizer state (the allocator's and the
     autograd engine's own structures, ~35-50 MiB here, which a GPU's allocated bytes do not count)."""
-    from hf_sparse_cp.simulator.memory_model import predict_step_memory
+    from hf_sparse_cp.simulator.memory_model.step import predict_step_memory
 
     est = predict_step_memory(architecture(run["model"], run["seq_len"]), run["seq_len"], cpu_settings(run))
     base = run["baseline_bytes"]
@@ -306,13 +306,10 @@ def gpu_predictions() -> dict:
     """Predictions for one GPU (labelled as such): the Qwen2.5 presets at 128K, 512K and 1M tokens with the
     plugin's defaults (token tiles from 32K on), without token tiles, and with offload; the dominant
     term; the longest length that fits 72 of 80 GB; 3B at 1M on 8 GPUs with CP 8 and FSDP 8."""
-    from hf_sparse_cp.simulator.memory_model import (
-        PRESETS,
-        StepSettings,
-        longest_fitting_length,
-        predict_step_memory,
-        with_savers,
-    )
+    from hf_sparse_cp.simulator.memory_model.presets import PRESETS
+    from hf_sparse_cp.simulator.memory_model.search import longest_fitting_length
+    from hf_sparse_cp.simulator.memory_model.settings import StepSettings, with_savers
+    from hf_sparse_cp.simulator.memory_model.step import predict_step_memory
 
     budget = USABLE * GPU_BYTES
     variants = {"defaults (token tiles)": dict(tiled=True), "no token tiles": dict(tiled=False),
@@ -389,7 +386,9 @@ def bench_e2e_start_length(model: str = "0.5b", gpu_bytes: float | None = None, 
     from hf_sparse_cp.loss import is_liger_kernel_available
     from hf_sparse_cp.memory import TILING_MIN_LENGTH, MemorySavers, from_min_length
     from hf_sparse_cp.simulator.memory_cli import device_memory
-    from hf_sparse_cp.simulator.memory_model import Architecture, StepSettings, longest_fitting_length
+    from hf_sparse_cp.simulator.memory_model.architecture import Architecture
+    from hf_sparse_cp.simulator.memory_model.search import longest_fitting_length
+    from hf_sparse_cp.simulator.memory_model.settings import StepSettings
 
     bench = _bench_e2e()
     if model not in bench.MODEL_SHAPES:
@@ -444,7 +443,9 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hf_sparse_cp.simulator.memory_model import PRESETS, StepSettings, predict_step_memory, with_savers
+    from hf_sparse_cp.simulator.memory_model.presets import PRESETS
+    from hf_sparse_cp.simulator.memory_model.settings import StepSettings, with_savers
+    from hf_sparse_cp.simulator.memory_model.step import predict_step_memory
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
     rows = report["validation"]

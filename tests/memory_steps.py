@@ -41,7 +41,9 @@ def unchecked_step_peak(config, pattern) -> tuple[int, float]:
     from transformers import AutoModelForCausalLM
 
     import hf_sparse_cp
-    from hf_sparse_cp.simulator.memory_model import Architecture, StepSettings, predict_step_memory
+    from hf_sparse_cp.simulator.memory_model.architecture import Architecture
+    from hf_sparse_cp.simulator.memory_model.settings import StepSettings
+    from hf_sparse_cp.simulator.memory_model.step import predict_step_memory
 
     def build():
         hf_sparse_cp.patch()

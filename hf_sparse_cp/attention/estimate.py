@@ -125,7 +125,7 @@ def score_rows(
             continue
         # Each set is summed in place into its slice: with causal chunks the S / estimation_chunk sets are the
         # call's largest buffer, and stacking them from separate tensors held them twice (the memory model:
-        # `simulator.memory_model.estimation_sets`).
+        # `simulator.memory_model.attention_geometry.estimation_sets`).
         vertical, slash = (torch.zeros(hq, n_sets, s, dtype=torch.int64, device=q.device) for _ in range(2))
         for j in range(n_sets):
             fixed_vertical_slash(q[row], k[row], [(sg.start, sg.scored_end) for sg in row_segs if sg.set == j],

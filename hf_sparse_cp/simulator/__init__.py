@@ -7,7 +7,7 @@
   (both predictions read it; answers outside the measured lengths labelled extrapolated);
 * `step_model.py`: hardware and the predicted step time, `head_parallel.py` the same under head parallelism;
   `simulate_cli.py`: `hf-sparse-cp simulate`; `arguments.py`: the flags both commands share;
-* `memory_model.py`: the bytes a step holds, term by term, and how long a sequence fits;
+* `memory_model/`: the bytes a step holds, term by term, and how long a sequence fits;
   `lora.py`: LoRA fine-tuning as it counts it; `memory_cli.py`: `hf-sparse-cp memory`; `memory_table.py`:
   docs/memory.md's predictions, from the command's code.
 

@@ -1,8 +1,8 @@
-"""LoRA fine-tuning as the memory model counts it (`memory_model.StepSettings.lora`, `hf-sparse-cp memory --lora-rank`):
-the adapters PEFT's `get_peft_model(model, LoraConfig(r=rank, target_modules=targets, lora_dropout=dropout))` adds to
-the matrices of every decoder layer of the families whose layers hold a Llama layer's (q/k/v/o projections,
-gate/up/down; `LORA_FAMILIES`: Llama, Mistral, Qwen2/3, Gemma, Gemma 3, Granite; what else a layer saves, its norms',
-is measured), and what they save.
+"""LoRA fine-tuning as the memory model counts it (`memory_model.settings.StepSettings.lora`,
+`hf-sparse-cp memory --lora-rank`): the adapters PEFT's `get_peft_model(model, LoraConfig(r=rank,
+target_modules=targets, lora_dropout=dropout))` adds to the matrices of every decoder layer of the families whose layers
+hold a Llama layer's (q/k/v/o projections, gate/up/down; `LORA_FAMILIES`: Llama, Mistral, Qwen2/3, Gemma, Gemma 3,
+Granite; what else a layer saves, its norms', is measured), and what they save.
 
 What LoRA changes in a step (measured on a CPU with autograd's saved-tensor hooks, tests/unit/test_memory_lora.py):
 the base model is frozen, so no weight needs a gradient or optimizer state; only the adapters (rank x (in + out) per
@@ -39,7 +39,7 @@ ALL_LINEAR = "all-linear"
 # nor a parallel block (Cohere: one norm for both), whose adapters' inputs are other tensors.
 LORA_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
                  "gemma3_text": "Gemma 3", "granite": "Granite"}
-# Why another model is refused LoRA (`memory_model.Architecture.lora_layers`).
+# Why another model is refused LoRA (`memory_model.architecture.Architecture.lora_layers`).
 LORA_LAYERS = (f"LoRA is modelled on the decoder layers of {', '.join(LORA_FAMILIES.values())} (a Llama layer's "
                f"matrices, {', '.join(MODULE_INPUTS)}, each reading a norm's output or the attention's), whose saved "
                "tensors it counts")

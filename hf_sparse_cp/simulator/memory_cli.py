@@ -42,16 +42,12 @@ from .arguments import (
 )
 from .kept_curve import DEFAULT_CURVE, KeptCurve
 from .lora import ALL_LINEAR, DEFAULT_TARGETS, LORA_FAMILIES, LORA_LAYERS, MODULE_INPUTS, LoraSettings, resolve_targets
-from .memory_model import (
-    GIB,
-    PRESETS,
-    SEARCH_LIMIT,
-    Architecture,
-    MemoryEstimate,
-    StepSettings,
-    longest_fitting_length,
-    predict_step_memory,
-)
+from .memory_model.architecture import Architecture
+from .memory_model.presets import PRESETS
+from .memory_model.search import SEARCH_LIMIT, longest_fitting_length
+from .memory_model.settings import StepSettings
+from .memory_model.step import predict_step_memory
+from .memory_model.tape import GIB, MemoryEstimate
 
 # The answers are lengths of a multiple of this many tokens per rank (the shortest one tried).
 GRANULARITY = 1024

@@ -1,5 +1,5 @@
 """Decoder shapes the simulator's predictions take (step time, `step_model.py`; memory,
-`memory_model.py`): `ModelShape`, the presets `MODELS`, and any causal LM's shape from its transformers config
+`memory_model/`): `ModelShape`, the presets `MODELS`, and any causal LM's shape from its transformers config
 (`ModelShape.from_config`, which reads the MLP's form, or its experts', off the model that transformers builds from the
 config on the meta device). It imports nothing of the package but what it shares with training of a config and of the
 model built from it (`config.model_fields`: the expert counts, the decoder layers) and the storage recorder the

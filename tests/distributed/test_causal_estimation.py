@@ -201,7 +201,9 @@ def _ring_estimation_peak(rank: int, world: int) -> tuple[int, float]:
     (63 score sets), 4 query heads."""
     from hf_sparse_cp.distributed import ContextParallelConfig, CPShard, ParallelDims, ShardPlan
     from hf_sparse_cp.distributed.ring.estimation import estimate_layout_cp
-    from hf_sparse_cp.simulator.memory_model import Architecture, StepSettings, _Step
+    from hf_sparse_cp.simulator.memory_model.architecture import Architecture
+    from hf_sparse_cp.simulator.memory_model.settings import StepSettings
+    from hf_sparse_cp.simulator.memory_model.step import _Step
     from hf_sparse_cp.testing.allocations import AllocationRecorder
     from hf_sparse_cp.testing.tiny_models import tiny_config
 

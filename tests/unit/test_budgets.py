@@ -181,7 +181,9 @@ def test_a_mode_that_bounds_no_columns_runs(monkeypatch):
     from hf_sparse_cp.attention.tokens import TokenMeta
     from hf_sparse_cp.config import sections
     from hf_sparse_cp.distributed.split.documents import kept_blocks_per_row
-    from hf_sparse_cp.simulator.memory_model import PRESETS, StepSettings, predict_step_memory
+    from hf_sparse_cp.simulator.memory_model.presets import PRESETS
+    from hf_sparse_cp.simulator.memory_model.settings import StepSettings
+    from hf_sparse_cp.simulator.memory_model.step import predict_step_memory
 
     monkeypatch.setattr(sections, "_BUDGETS", dict(sections._registered()))
     for cls in (_AboveShare, _AboveShareBounded):

@@ -13,7 +13,9 @@ from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.simulator.kept_curve import DEFAULT_CURVE, KeptCurve, KeptPoint
-from hf_sparse_cp.simulator.memory_model import PRESETS, StepSettings, predict_step_memory
+from hf_sparse_cp.simulator.memory_model.presets import PRESETS
+from hf_sparse_cp.simulator.memory_model.settings import StepSettings
+from hf_sparse_cp.simulator.memory_model.step import predict_step_memory
 from hf_sparse_cp.simulator.shapes import MODELS
 from hf_sparse_cp.simulator.simulate import CONFIGURATIONS, Workload
 from hf_sparse_cp.simulator.step_model import CLUSTERS, HARDWARE, predict_step, with_causal_layout

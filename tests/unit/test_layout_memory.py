@@ -170,7 +170,7 @@ def test_the_memory_model_counts_the_peak_of_building_a_layout(s, columns, chunk
     three int64 per block slot of a chunk) was about 1.5x the peak with columns built one head at a time and 0.5x
     with every head in one chunk."""
     from hf_sparse_cp.attention import build
-    from hf_sparse_cp.simulator.memory_model import layout_construction_bytes
+    from hf_sparse_cp.simulator.memory_model.attention_geometry import layout_construction_bytes
 
     kw = _bench_shaped_inputs(s, columns=columns)
     if columns == 0:
@@ -243,7 +243,9 @@ def test_under_the_ring_every_rank_builds_the_whole_sequences_layout(s):
     """Under the ring every rank builds the one-process layout of the whole sequence (`estimate_layout_cp`: the
     global layout, over `CPShard.meta` of the whole batch): the memory model's construction term is the same build's
     bytes at CP 8 as in one process, not an eighth of it."""
-    from hf_sparse_cp.simulator.memory_model import PRESETS, StepSettings, _Step
+    from hf_sparse_cp.simulator.memory_model.presets import PRESETS
+    from hf_sparse_cp.simulator.memory_model.settings import StepSettings
+    from hf_sparse_cp.simulator.memory_model.step import _Step
 
     built = {}
     for cp in (1, 8):
@@ -261,7 +263,9 @@ def test_the_memory_model_counts_every_causal_chunks_score_set(chunk):
     (`hf-sparse-cp memory` said 1.1M tokens of Qwen2.5-0.5B fit 80 GB with chunks of 1024, whose sets alone take
     270 GB), and the sets, scored into separate tensors and then stacked, were held twice. The estimation's recorded
     peak is the model's term within 10% (0.5B's heads; 63 sets at 8K tokens)."""
-    from hf_sparse_cp.simulator.memory_model import PRESETS, StepSettings, _Step
+    from hf_sparse_cp.simulator.memory_model.presets import PRESETS
+    from hf_sparse_cp.simulator.memory_model.settings import StepSettings
+    from hf_sparse_cp.simulator.memory_model.step import _Step
 
     s = 8192
     kw = dict(budget_mode="topk", vertical_topk=200, slash_topk=4, min_seq_len=256, block_size=64, last_q=16)

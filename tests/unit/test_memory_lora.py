@@ -20,13 +20,11 @@ from hf_sparse_cp.config.model_fields import LEAN_LOSS_FAMILIES
 from hf_sparse_cp.integration.memory_savers import enable_memory_savers
 from hf_sparse_cp.memory import MemorySavers
 from hf_sparse_cp.simulator.lora import DEFAULT_TARGETS, LORA_FAMILIES, MODULE_INPUTS, LoraSettings
-from hf_sparse_cp.simulator.memory_model import (
-    PRESETS,
-    Architecture,
-    StepSettings,
-    predict_step_memory,
-    recomputed_layer_bytes,
-)
+from hf_sparse_cp.simulator.memory_model.architecture import Architecture
+from hf_sparse_cp.simulator.memory_model.layer import recomputed_layer_bytes
+from hf_sparse_cp.simulator.memory_model.presets import PRESETS
+from hf_sparse_cp.simulator.memory_model.settings import StepSettings
+from hf_sparse_cp.simulator.memory_model.step import predict_step_memory
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 PATTERN = SparseAttentionConfig(block_size=64, min_seq_len=128, dense_first_layers=0, vertical_topk=16, slash_topk=4,

@@ -20,15 +20,12 @@ from hf_sparse_cp.integration.memory_savers import enable_memory_savers
 from hf_sparse_cp.memory import MemorySavers
 from hf_sparse_cp.simulator import memory_cli
 from hf_sparse_cp.simulator.memory_cli import parse_memory
-from hf_sparse_cp.simulator.memory_model import (
-    PRESETS,
-    Architecture,
-    StepSettings,
-    longest_fitting_length,
-    predict_step_memory,
-    recomputed_layer_bytes,
-    with_savers,
-)
+from hf_sparse_cp.simulator.memory_model.architecture import Architecture
+from hf_sparse_cp.simulator.memory_model.layer import recomputed_layer_bytes
+from hf_sparse_cp.simulator.memory_model.presets import PRESETS
+from hf_sparse_cp.simulator.memory_model.search import longest_fitting_length
+from hf_sparse_cp.simulator.memory_model.settings import StepSettings, with_savers
+from hf_sparse_cp.simulator.memory_model.step import predict_step_memory
 from hf_sparse_cp.simulator.shapes import ModelShape
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
@@ -766,7 +763,7 @@ def test_document_sharding_is_predicted_at_the_planners_token_cap(capsys):
     """Under --cp_sharding document the busiest rank may hold up to the planner's cap (1.25x the mean of the blocks,
     plus one block; the planner keeps it: tests/distributed/test_cp_documents.py), which the prediction sizes the
     step at; the block shardings at their equal shares."""
-    from hf_sparse_cp.simulator.memory_model import rank_tokens
+    from hf_sparse_cp.simulator.memory_model.settings import rank_tokens
 
     arch, n = PRESETS["qwen2.5-0.5b"], 1 << 20
     striped = predict_step_memory(arch, n, StepSettings(cp=8))

@@ -15,7 +15,9 @@ from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.cli import main as cli_main
 from hf_sparse_cp.config.model_fields import decoder_layers
 from hf_sparse_cp.simulator import shapes
-from hf_sparse_cp.simulator.memory_model import Architecture, StepSettings, predict_step_memory
+from hf_sparse_cp.simulator.memory_model.architecture import Architecture
+from hf_sparse_cp.simulator.memory_model.settings import StepSettings
+from hf_sparse_cp.simulator.memory_model.step import predict_step_memory
 from hf_sparse_cp.simulator.shapes import MOE_FAMILIES, ModelShape, MoeBytes
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
