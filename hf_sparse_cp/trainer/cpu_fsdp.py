@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping
 
 import torch
 from accelerate import PartialState
@@ -83,14 +82,13 @@ def check_cpu_fsdp_version(args: TrainingArguments) -> None:
     only as its Trainer built the accelerator, after the data; for CPU offload, whose pinned memory needs an
     accelerator; or with what the Trainer refuses under FSDP (`--activation_checkpointing` beside FSDP's own,
     `--save_only_model` with `--load_best_model_at_end`). Call it on a machine without accelerator."""
-    env = os.environ
     if args.fsdp_plugin_args is not None:
         version, where = args.fsdp_plugin_args["fsdp_version"], "--fsdp_config's version"
         fix = "--fsdp_config '{\"fsdp_version\": 2}'"
-    elif str_to_bool(env.get("ACCELERATE_USE_FSDP", "false")) and "FSDP_VERSION" in env:
+    elif str_to_bool(os.environ.get("ACCELERATE_USE_FSDP", "false")) and "FSDP_VERSION" in os.environ:
         # (`accelerate launch` sets both, FSDP_VERSION 1 for a config without fsdp_version; an Accelerator built with
         # an FSDP plugin sets ACCELERATE_USE_FSDP alone in its process, which later arguments there must not misread)
-        version, where = env["FSDP_VERSION"], "the accelerate config's fsdp_version; accelerate's default is 1"
+        version, where = os.environ["FSDP_VERSION"], "the accelerate config's fsdp_version; accelerate's default is 1"
         fix = "fsdp_version: 2 in the accelerate config's fsdp_config"
     else:
         return
@@ -99,7 +97,7 @@ def check_cpu_fsdp_version(args: TrainingArguments) -> None:
                          f"{fix} (FSDP2, which the plugin runs on CPU processes over gloo).")
     # CPU offload pins the sharded parameters in host memory for an accelerator: FSDP2 failed at `train()`, as it
     # sharded the model after the data ('Cannot access accelerator device when none is available').
-    offload, from_flags = _plugin_setting(args, env, "cpu_offload", "FSDP_OFFLOAD_PARAMS")
+    offload, from_flags = _plugin_setting(args, "cpu_offload", "FSDP_OFFLOAD_PARAMS")
     drop = ("drop offload from --fsdp (cpu_offload from --fsdp_config)" if from_flags else
             "set fsdp_offload_params: false in the accelerate config")
     if offload:
@@ -108,7 +106,7 @@ def check_cpu_fsdp_version(args: TrainingArguments) -> None:
     # The Trainer refuses these pairs as it builds its accelerator, where FSDP runs; on CPU processes FSDP2 starts after
     # that (`enable_cpu_fsdp2`): a run trained with both checkpointings on, and one with the second pair trained to
     # its end, then failed reloading the best checkpoint's FSDP state
-    own_checkpointing, _ = _plugin_setting(args, env, "activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING")
+    own_checkpointing, _ = _plugin_setting(args, "activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING")
     if own_checkpointing and getattr(args, "activation_checkpointing", False):  # (transformers >= 5.2x: attach.py)
         raise ValueError("--activation_checkpointing and FSDP's own activation checkpointing (activation_checkpointing "
                          "in the FSDP config) cannot both be on: drop --activation_checkpointing (FSDP's own avoids "
@@ -119,7 +117,7 @@ def check_cpu_fsdp_version(args: TrainingArguments) -> None:
                          "--load_best_model_at_end.")
     # (on CPU processes the run trained and marked each checkpoint complete holding no weights: the model of a sharded
     # state dict type is saved with the optimizer's state, which --save_only_model skips)
-    if args.save_only_model and _sharded_state_dict_type(args, env):
+    if args.save_only_model and _sharded_state_dict_type(args):
         where = ("set state_dict_type FULL_STATE_DICT in --fsdp_config" if args.fsdp_plugin_args is not None else
                  "set fsdp_state_dict_type: FULL_STATE_DICT in the accelerate config (FSDP2's default is sharded)")
         raise ValueError("--save_only_model under FSDP with a sharded state_dict_type saves checkpoints without the "
@@ -189,22 +187,22 @@ def check_auto_wrap_policy(model: torch.nn.Module, plugin: FullyShardedDataParal
                              f"model's layers: {layers}).")
 
 
-def _sharded_state_dict_type(args: TrainingArguments, env: Mapping[str, str]) -> bool:
-    """Whether the FSDP2 plugin built from `args` (else from accelerate launch's variables in `env`) takes a sharded
+def _sharded_state_dict_type(args: TrainingArguments) -> bool:
+    """Whether the FSDP2 plugin built from `args` (else from accelerate launch's variables) takes a sharded
     state dict type, as the Trainer reads it ("SHARDED_STATE_DICT" in its name; 3, its number, from a variable)."""
-    value = (args.fsdp_plugin_args or {}).get("state_dict_type") or env.get("FSDP_STATE_DICT_TYPE",
-                                                                            "SHARDED_STATE_DICT")
+    value = (args.fsdp_plugin_args or {}).get("state_dict_type") or os.environ.get("FSDP_STATE_DICT_TYPE",
+                                                                                   "SHARDED_STATE_DICT")
     return "SHARDED_STATE_DICT" in str(value).upper() or str(value) == "3"
 
 
-def _plugin_setting(args: TrainingArguments, env: Mapping[str, str], key: str, variable: str) -> tuple[bool, bool]:
+def _plugin_setting(args: TrainingArguments, key: str, variable: str) -> tuple[bool, bool]:
     """(on, whether the flags set it) of the FSDP plugin's boolean setting `key` as accelerate's plugin reads it: from
-    --fsdp / --fsdp_config, else from accelerate launch's FSDP_* `variable` in `env` (the plugin's own fallback for a
+    --fsdp / --fsdp_config, else from accelerate launch's FSDP_* environment `variable` (the plugin's own fallback for a
     setting they leave unset: an accelerate config's, under --fsdp too)."""
     value = (args.fsdp_plugin_args or {}).get(key)
     if value is not None:
         return bool(value), True
-    return str_to_bool(env.get(variable, "false")) == 1, False
+    return str_to_bool(os.environ.get(variable, "false")) == 1, False
 
 
 def disable_cpu_fsdp2(trainer: Trainer) -> None:
