@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..distributed.comm import rank_and_world
-from ..smet.dtensor import contiguous_stride
+from ..dtensors import contiguous_stride
 from .boxes import Box, TargetLayout, dtensor_boxes, plan_transfers
 
 LAYOUT_FILE = "layout.json"

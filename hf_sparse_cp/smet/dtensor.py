@@ -14,6 +14,8 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..dtensors import contiguous_stride
+
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (sharing its storage), or the tensor itself."""
@@ -68,9 +70,3 @@ def local_rows_of(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return value
     start = row_offset(param)
     return value[start : start + local(param).shape[0]]
-
-
-def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of `shape`, as torch lays one out (a size-0 dimension counts as 1): what a
-    DTensor built from a local shard with a global `shape` declares."""
-    return torch.empty(shape, device="meta").stride()
