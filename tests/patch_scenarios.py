@@ -235,7 +235,7 @@ def grouped_sdpa_measurement() -> Iterator:
     """The memory model's measurement of a layer's saved tensors: transformers' SDPA keeps grouped K/V heads."""
     from transformers.integrations import sdpa_attention
 
-    from hf_sparse_cp.simulator.shapes import _sdpa_keeps_key_value_heads
+    from hf_sparse_cp.simulator.memory_model.measurements import _sdpa_keeps_key_value_heads
 
     yield [(sdpa_attention, "use_gqa_in_sdpa")]
     with _sdpa_keeps_key_value_heads():

@@ -412,9 +412,9 @@ PATCHES = (
           alternatives=("activation_checkpointing",)),
     Patch("transformers.integrations.sdpa_attention", "use_gqa_in_sdpa", "sets", "the memory predictions measure "
           "what a decoder layer saves with SDPA's stand-in taking grouped K/V heads as our attention does: during the "
-          "measurement it answers yes (`simulator.shapes.layer_saved`; its conditions and signature differ between "
-          "releases, TRANSFORMERS_SDPA_FORCE_GQA exists only in some; a layer whose call gets repeated heads is "
-          "refused)", "the end of the measurement (restored in a finally)"),
+          "measurement it answers yes (`simulator.memory_model.measurements.layer_saved`; its conditions and "
+          "signature differ between releases, TRANSFORMERS_SDPA_FORCE_GQA exists only in some; a layer whose call "
+          "gets repeated heads is refused)", "the end of the measurement (restored in a finally)"),
     Patch("transformers.AttentionInterface", "_global_mapping", "reads", "unpatch(): there is no public "
           "unregister"),
     Patch("transformers.masking_utils.AttentionMaskInterface", "_global_mapping", "reads", "unpatch(): there is "

@@ -1,6 +1,7 @@
 """What the ops of a piece of PyTorch code allocate and free, on any device (the CPU's and the meta device's too,
 where no allocator keeps statistics): `StorageRecorder`, the one dispatch mode that both the simulator's measure of a
-mixture of experts' block (`simulator.shapes.moe_at`) and the tests' `testing.allocations.AllocationRecorder` read.
+mixture of experts' block (`simulator.memory_model.measurements.moe_at`) and the tests'
+`testing.allocations.AllocationRecorder` read.
 
 A storage that an op returns and the mode has not seen is a fresh allocation; an op whose schema says its output
 aliases an input (a view, an in-place or `out=` write) allocates nothing. A `weakref.finalize` on the storage sees it

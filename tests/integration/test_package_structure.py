@@ -39,7 +39,7 @@ ALLOWED = {
     # the predictions on paper: step time and memory (which reads the memory savers' settings)
     "hf_sparse_cp.simulator": (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention", "hf_sparse_cp.memory"),
     # the model shapes both predictions take: a leaf but for the config fields it shares with training
-    "hf_sparse_cp.simulator.shapes": ("hf_sparse_cp.config.model_fields", "hf_sparse_cp.memory.recorder"),
+    "hf_sparse_cp.simulator.shapes": ("hf_sparse_cp.config.model_fields",),
     # the command lines' arguments: a --config's architecture is checked as training checks it (`token_mixers`)
     "hf_sparse_cp.simulator.arguments": (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention",
                                          "hf_sparse_cp.memory", "hf_sparse_cp.simulator",

@@ -237,8 +237,8 @@ def test_a_recomputed_layer_of_any_architecture_saves_what_the_model_counts(mode
     matrix product saves its own bf16 copy of its input (#50: counted as a bf16 model's layer, 13% under for Qwen2);
     its copies of the weights are the model's "autocast weight copies", apart. A mixture of experts' layer was refused
     ("one dense MLP per layer is counted"): its block's router probabilities, gathered tokens and experts'
-    intermediates are now measured too (`shapes.moe_bytes`; its grouped matmuls' int32 offsets, which the count here
-    takes for the layout's, apart)."""
+    intermediates are now measured too (`measurements.moe_bytes`; its grouped matmuls' int32 offsets, which the count
+    here takes for the layout's, apart)."""
     hf_sparse_cp.patch()
     config = tiny_config(model_type, vocab_size=300, **LAYER_FORMS[model_type])
     torch.manual_seed(0)
@@ -288,7 +288,8 @@ def test_a_configs_saved_bytes_are_measured_for_the_dtype_a_prediction_reads():
     """`hf-sparse-cp memory --config` measured what the layers save in all three activation dtypes, and built the
     model twice (5 s of an 8B config's 8): bfloat16's is measured at once (a model the measurement refuses is refused
     there), another dtype's when a prediction first reads it, equal to that dtype's measurement alone."""
-    from hf_sparse_cp.simulator.shapes import layer_saved, meta_model
+    from hf_sparse_cp.simulator.memory_model.measurements import layer_saved
+    from hf_sparse_cp.simulator.shapes import meta_model
 
     config = tiny_config("qwen2", vocab_size=300)
     arch = Architecture.from_config(config)

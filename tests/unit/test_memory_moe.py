@@ -15,10 +15,12 @@ from hf_sparse_cp import SparseAttentionConfig
 from hf_sparse_cp.cli import main as cli_main
 from hf_sparse_cp.config.model_fields import decoder_layers
 from hf_sparse_cp.simulator import shapes
+from hf_sparse_cp.simulator.memory_model import measurements
 from hf_sparse_cp.simulator.memory_model.architecture import Architecture
+from hf_sparse_cp.simulator.memory_model.measurements import MoeBytes
 from hf_sparse_cp.simulator.memory_model.settings import StepSettings
 from hf_sparse_cp.simulator.memory_model.step import predict_step_memory
-from hf_sparse_cp.simulator.shapes import MOE_FAMILIES, ModelShape, MoeBytes
+from hf_sparse_cp.simulator.shapes import MOE_FAMILIES, ModelShape
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 PATTERN = SparseAttentionConfig(block_size=64, min_seq_len=128, dense_first_layers=0, vertical_topk=16, slash_topk=4,
@@ -28,7 +30,7 @@ PATTERN = SparseAttentionConfig(block_size=64, min_seq_len=128, dense_first_laye
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "autocast"])
 @pytest.mark.parametrize("model_type", MOE_FAMILIES)
 def test_a_mixture_of_experts_block_allocates_on_the_meta_device_what_it_does_on_a_cpu(model_type, dtype):
-    """What the predictions read of a mixture of experts' block (`shapes.moe_bytes`: its peaks forward without and
+    """What the predictions read of a mixture of experts' block (`measurements.moe_bytes`: its peaks forward without and
     with grad, what it saves, its backward's peak), measured on the meta device at 64 to 192 tokens (grouped matmuls
     through a stand-in, autocast's casts through another) and scaled to 512, equals the same block's on a CPU at 512
     tokens with real routing (torch's grouped matmul, torch's autocast), byte for byte; Qwen2-MoE's backward under
@@ -36,13 +38,13 @@ def test_a_mixture_of_experts_block_allocates_on_the_meta_device_what_it_does_on
     nodes in another order."""
     config, tokens, autocast = tiny_config(model_type, vocab_size=300), 512, dtype == "autocast"
     compute = getattr(torch, "bfloat16" if autocast else dtype)
-    measured = shapes.moe_bytes(shapes.meta_model(config, model_type), compute, model_type, autocast=autocast)
+    measured = measurements.moe_bytes(shapes.meta_model(config, model_type), compute, model_type, autocast=autocast)
     predicted = [MoeBytes.at(getattr(measured, part), tokens) for part in ("forward", "recomputed", "saved",
                                                                               "backward")]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if autocast else compute).train()
     with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-        curves = shapes.moe_at(decoder_layers(model)[0].mlp, tokens, torch.float32 if autocast else compute)
+        curves = measurements.moe_at(decoder_layers(model)[0].mlp, tokens, torch.float32 if autocast else compute)
     on_cpu = [max(curve) for curve in curves]
     assert [p.per_token * tokens + p.const for p in predicted[:3]] == on_cpu[:3]
     assert predicted[3].per_token * tokens + predicted[3].const == pytest.approx(on_cpu[3], abs=256)

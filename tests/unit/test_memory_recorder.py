@@ -1,5 +1,6 @@
-"""The storage recorder that the simulator's measure of a mixture of experts' block (`shapes.moe_at`) and the tests'
-`AllocationRecorder` share (`hf_sparse_cp.memory.recorder`): its ordered log, its peak and what it does not count."""
+"""The storage recorder that the simulator's measure of a mixture of experts' block
+(`memory_model.measurements.moe_at`) and the tests' `AllocationRecorder` share (`hf_sparse_cp.memory.recorder`): its
+ordered log, its peak and what it does not count."""
 
 import pytest
 import torch

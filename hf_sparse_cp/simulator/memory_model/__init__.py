@@ -9,7 +9,7 @@ allocation is sized from the shapes (bytes per token x tokens + constant bytes) 
 term it belongs to; the live bytes are tracked op by op, and each phase's peak is reported with the
 live bytes of every term at that moment. The byte counts come from reading the code that runs:
 transformers' Qwen2/Llama layers (a config's layers: what they save measured on its model,
-`shapes.layer_saved`), the `sparse_cp` backend (estimation, layout, the Triton kernels'
+`measurements.layer_saved`), the `sparse_cp` backend (estimation, layout, the Triton kernels'
 launchers or the PyTorch reference), the chunked loss or liger-kernel 0.8.5's, torch's AdamW, the
 ring's buffers; `benchmarks/memory_model.py` compares the sum with peaks measured on a CPU.
 
@@ -27,6 +27,7 @@ The modules, in import order:
 * `settings.py`: how the step runs (`StepSettings`, `with_savers`), the busiest rank's tokens (`rank_tokens`);
 * `architecture.py`: a decoder as its memory depends on it (`Architecture`, from any transformers config);
   `presets.py`: the size presets `--model` names (`PRESETS`);
+* `measurements.py`: what a model's layers save and its experts allocate, measured on the meta device;
 * `tape.py`: the live allocations by term and each phase's peak (`Tape`, `TERMS`), and the prediction it gives
   (`MemoryEstimate`);
 * `attention_geometry.py`: the sizes of one attention call's layout and of the buffers built around it;

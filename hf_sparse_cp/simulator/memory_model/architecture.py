@@ -10,17 +10,8 @@ import torch
 
 from ...config.model_fields import LEAN_LOSS_FAMILIES, decoder_layers
 from ..lora import LORA_FAMILIES, MODULE_INPUTS, module_features
-from ..shapes import (
-    LayerSaved,
-    ModelShape,
-    MoeBytes,
-    SavedBytes,
-    check_decoder,
-    check_routing_tensors,
-    layer_saved,
-    meta_model,
-    moe_bytes,
-)
+from ..shapes import ModelShape, check_decoder, check_routing_tensors, meta_model
+from .measurements import LayerSaved, MoeBytes, SavedBytes, layer_saved, moe_bytes
 from .settings import DTYPE_BYTES
 
 
@@ -29,7 +20,7 @@ def _parts(saved: LayerSaved) -> tuple[SavedBytes, SavedBytes, SavedBytes]:
 
 
 class _SavedByDtype(Mapping[str, tuple[LayerSaved, ...]]):
-    """`shapes.layer_saved` of the meta-device `model` for each activation dtype of `DTYPE_BYTES`, measured at its
+    """`measurements.layer_saved` of the meta-device `model` for each activation dtype of `DTYPE_BYTES`, measured at its
     first lookup (a dtype's is three forwards of the whole model: an 8B config's three dtypes took 5 s, and a
     prediction reads one); bfloat16's at once, so that a model the measurement refuses is refused when it is read.
     `measure` takes the other regimes: LoRA's frozen layers, autocast over fp32 weights. `twin`: builds the Llama model
@@ -53,7 +44,8 @@ class _SavedByDtype(Mapping[str, tuple[LayerSaved, ...]]):
         return self._measured[key]
 
     def moe(self, dtype: str, autocast: bool = False) -> MoeBytes:
-        """What the layers' mixture of experts allocates in `dtype` (`shapes.moe_bytes`; `autocast` as `measure`)."""
+        """What the layers' mixture of experts allocates in `dtype` (`measurements.moe_bytes`; `autocast` as
+        `measure`)."""
         key = dtype, autocast
         if key not in self._moe:
             self._moe[key] = moe_bytes(self._model, getattr(torch, dtype), self._where, autocast=autocast)
@@ -97,7 +89,7 @@ class Architecture:
     the Llama-like families, `LEAN_LOSS_FAMILIES`) or its stock forward's [tokens, vocab] logits; the elements of
     its largest parameter where that is not the embedding (`largest_param`: GPT-2's learned positions; 0: none);
     what each decoder layer saves for backward besides its attention core and MLP, measured on the model by
-    activation dtype (`layer_saved`: `shapes.LayerSaved`, measured when first read; None: a Llama layer's, counted
+    activation dtype (`layer_saved`: `measurements.LayerSaved`, measured when first read; None: a Llama layer's, counted
     on its code); whether LoRA's count reads its layers (`lora_layers`: a family of `lora.LORA_FAMILIES` whose layer
     holds `lora.MODULE_INPUTS` by name and size, and no other matrix)."""
 
@@ -146,11 +138,11 @@ class Architecture:
         """From a transformers config of a decoder (`ModelShape.from_config`, which names a missing field), its
         parameters counted on the model transformers builds from it on the meta device: whether the LM head is the
         embedding, the layers' and the rest's parameters (biases, LayerNorms' or RMSNorms' weights, position
-        embeddings, an LM head's bias), and what its layers save for backward (`shapes.layer_saved`, in each
+        embeddings, an LM head's bias), and what its layers save for backward (`measurements.layer_saved`, in each
         activation dtype).
 
         Raises:
-            ValueError: `ModelShape.from_config`'s and `shapes.layer_saved`'s (naming the field and the fix, after
+            ValueError: `ModelShape.from_config`'s and `measurements.layer_saved`'s (naming the field and the fix, after
                 `where`), or a model without the lean loss that soft-caps its logits (temporaries not modelled).
         """
         where = where or name or getattr(config, "model_type", "the config")

@@ -8,9 +8,9 @@ from dataclasses import replace
 from ...config.model_fields import LEAN_LOSS_FAMILIES
 from ...distributed.heads.split import HeadSplit
 from ..lora import LORA_LAYERS, MODULE_INPUTS, module_features
-from ..shapes import LayerSaved, MoeBytes
 from .architecture import Architecture
 from .attention_geometry import AttentionGeometry, attention_geometry, estimates_sparse
+from .measurements import LayerSaved, MoeBytes
 from .settings import DTYPE_BYTES, StepSettings, rank_tokens
 from .tape import Tape
 
