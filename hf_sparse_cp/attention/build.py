@@ -317,3 +317,29 @@ def dense_layout(meta: TokenMeta, block_size: int, sliding_window: int | None = 
     """
     check_meta("meta", meta, optional=False)
     return build_layout(meta, block_size, dense_tokens=meta.segment != PAD_SEGMENT, sliding_window=sliding_window)
+
+
+def with_padding_query_blocks(layout: SparseLayout, meta: TokenMeta, q_meta: TokenMeta) -> SparseLayout:
+    """`layout` (built for `meta`'s real tokens) with each query block that holds no real token of `meta` but queries
+    that `q_meta` lets see tokens (padding after a row's tokens, `tokens.padding_queries_see_prior_tokens`) given the
+    key blocks and columns of the row's last block holding a real token: the keys that block's queries attend to
+    (every block of the row's last document where the pattern keeps them all), which hold every real token such a
+    padding query sees within the pattern. Any other query block keeps its own (the block of a row's last token: its
+    padding queries attend to what its real ones do). Reads nothing back to the host."""
+    b, s = meta.segment.shape
+    bs, nqb = layout.block_size, layout.num_q_blocks
+
+    def blocks_holding(tokens: torch.Tensor) -> torch.Tensor:  # bool [B, NQB]
+        return torch.nn.functional.pad(tokens, (0, nqb * bs - s)).view(b, nqb, bs).any(-1)
+
+    real = blocks_holding(meta.segment != PAD_SEGMENT)
+    sees = blocks_holding(q_meta.segment != PAD_SEGMENT) & ~real
+    blocks = torch.arange(nqb, device=real.device).expand(b, nqb)
+    source = torch.where(sees, torch.where(real, blocks, -1).cummax(-1).values, blocks).clamp_min(0)
+    source = source.to(layout.block_cnt.device)[:, None].expand(b, layout.heads, nqb)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        index = source if t.dim() == 3 else source[..., None].expand(*source.shape, t.shape[-1])
+        return t.expand(b, *t.shape[1:]).gather(2, index)
+
+    return SparseLayout(*(rows(t) for t in layout.tensors()), bs)

@@ -10,7 +10,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..attention.tokens import BatchDocumentExtents, TokenMeta
+from ..attention.tokens import (
+    BatchDocumentExtents,
+    TokenMeta,
+    padding_queries_see_prior_tokens,
+    rows_pad_after_tokens,
+)
 from .comm import all_gather_rows, all_reduce
 
 if TYPE_CHECKING:
@@ -34,7 +39,10 @@ class CPShard:
     packed_by_positions: whether `meta`'s documents come from the batch's restarting [B, S] position_ids, which a
     multimodal RoPE model expands to its rotary rows without packing by them (the backend refuses that);
     input_ids: the whole batch's token ids [B, plan.seq_len] (None: it came as inputs_embeds), by which a
-    sequence-classification head finds the token it pools (`integration/heads.py`).
+    sequence-classification head finds the token it pools (`integration/heads.py`); padding_rows: bool [B] or None,
+    the rows whose padding after their tokens the model's head reads (a question-answering or sequence-classification
+    head), set for the forward by the decoder's pre-hook (`heads.pass_padding_rows_on`): their padding queries attend
+    as SDPA's (`padding_query_meta`).
 
     Not a dataclass on purpose: FSDP2's mixed precision (`cast_forward_inputs`, on with bf16 parameters) rebuilds every
     dataclass among a forward's inputs at each module it wraps, so a dataclass shard reached every decoder layer as a
@@ -47,6 +55,8 @@ class CPShard:
                  packed_by_positions: bool = False, input_ids: torch.Tensor | None = None) -> None:
         self.parallel, self.plan, self.meta, self.documents = parallel, plan, meta, documents
         self.attention_mask, self.packed_by_positions, self.input_ids = attention_mask, packed_by_positions, input_ids
+        self.padding_rows: torch.Tensor | None = None
+        self._padding_queries: tuple = (None, None)
 
     def __repr__(self) -> str:
         return (f"CPShard(rank {self.rank} of CP {self.parallel.cp_size}, batch {tuple(self.meta.index.shape)}, "
@@ -63,6 +73,24 @@ class CPShard:
         once (`TokenMeta.documents`)."""
         n = self.plan.seq_len
         return TokenMeta(self.meta.index[:, :n], self.meta.segment[:, :n])
+
+    def padding_query_meta(self) -> TokenMeta | None:
+        """The whole batch's query metadata [B, plan.padded_len] in which the padding after the tokens of the rows
+        `padding_rows` names sees the tokens before it (`tokens.padding_queries_see_prior_tokens`; the split's own
+        padding at the end sees nothing), or None: no such rows, none of them padded after its tokens (the documents
+        read back once per batch), or a split that reorders the row (`keeps_order` false: the document planner, whose
+        padding queries get no attention, as `heads.pass_padding_rows_on` says). Computed once per rows tensor."""
+        rows = self.padding_rows
+        if rows is None or not self.plan.keeps_order:
+            return None
+        if self._padding_queries[0] is not rows:
+            meta, value = self.unpadded_meta, None
+            n = meta.segment.shape[-1]
+            if rows_pad_after_tokens(meta, rows):
+                seen = padding_queries_see_prior_tokens(meta, rows).segment
+                value = TokenMeta(self.meta.index, torch.cat([seen, self.meta.segment[:, n:]], 1))
+            self._padding_queries = (rows, value)
+        return self._padding_queries[1]
 
     def whole_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """The batch's tensor over its whole sequence, from every CP rank's tensor over its shard (an all-gather over
