@@ -203,3 +203,18 @@ def test_a_compiled_answer_model_gives_sdpas_outputs(single_thread):
     finally:
         torch._dynamo.reset()
     _assert_sdpas(got, _outputs(reference, _batch("right")))
+
+
+def test_the_plan_op_takes_the_rows_and_passes_opcheck():
+    """torch.library.opcheck of the compiled path's plan op given the rows (schema, fake implementation, dynamic
+    shapes); its query metadata lets row 0's padding queries see its tokens, not row 1's."""
+    from hf_sparse_cp.integration.compiled import sequence_plan, settings_key
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, h, 100, 8, generator=g, dtype=torch.float64) for h in (4, 2))
+    mask = torch.ones(2, 100, dtype=torch.long)
+    mask[:, 70:] = 0
+    args = (q, k, mask, None, None, None, settings_key(SPARSE), 0.3, None, "", True, torch.tensor([True, False]))
+    torch.library.opcheck(sequence_plan, args)
+    q_segment = sequence_plan(*args)[5]
+    assert bool((q_segment[0, 70:] == 0).all()) and bool((q_segment[1, 70:] == PAD_SEGMENT).all())
