@@ -319,23 +319,31 @@ def dense_layout(meta: TokenMeta, block_size: int, sliding_window: int | None = 
     return build_layout(meta, block_size, dense_tokens=meta.segment != PAD_SEGMENT, sliding_window=sliding_window)
 
 
-def with_padding_query_blocks(layout: SparseLayout, meta: TokenMeta, q_meta: TokenMeta) -> SparseLayout:
+def with_padding_query_blocks(layout: SparseLayout, meta: TokenMeta, q_meta: TokenMeta,
+                              anchors: torch.Tensor | None = None) -> SparseLayout:
     """`layout` (built for `meta`'s real tokens) with each query block that holds no real token of `meta` but queries
     that `q_meta` lets see tokens (padding after a row's tokens, `tokens.padding_queries_see_prior_tokens`) given the
-    key blocks and columns of the row's last block holding a real token: the keys that block's queries attend to
-    (every block of the row's last document where the pattern keeps them all), which hold every real token such a
-    padding query sees within the pattern. Any other query block keeps its own (the block of a row's last token: its
-    padding queries attend to what its real ones do). Reads nothing back to the host."""
+    key blocks and columns of the block holding the real token those queries follow (`anchors`, int64 [B, S]: its
+    position in the layout's order, -1 for other tokens; by default the last real token before each, in a row in its
+    own order): the keys that block's queries attend to (every block of the row's last document where the pattern
+    keeps them all), which hold every real token such a padding query sees within the pattern. Any other query block
+    keeps its own (the block of a row's last token: its padding queries attend to what its real ones do). Reads nothing
+    back to the host."""
     b, s = meta.segment.shape
     bs, nqb = layout.block_size, layout.num_q_blocks
+    real_tokens = meta.segment != PAD_SEGMENT
+    if anchors is None:
+        position = torch.arange(s, device=real_tokens.device).expand(b, s)
+        anchors = torch.where(real_tokens, position, -1).cummax(-1).values
 
-    def blocks_holding(tokens: torch.Tensor) -> torch.Tensor:  # bool [B, NQB]
-        return torch.nn.functional.pad(tokens, (0, nqb * bs - s)).view(b, nqb, bs).any(-1)
+    def per_block(x: torch.Tensor, fill) -> torch.Tensor:  # [B, S] -> [B, NQB, bs]
+        return torch.nn.functional.pad(x, (0, nqb * bs - s), value=fill).view(b, nqb, bs)
 
-    real = blocks_holding(meta.segment != PAD_SEGMENT)
-    sees = blocks_holding(q_meta.segment != PAD_SEGMENT) & ~real
+    real = per_block(real_tokens, False).any(-1)
+    sees = (q_meta.segment != PAD_SEGMENT) & ~real_tokens
+    anchor = per_block(torch.where(sees, anchors.to(sees.device), -1), -1).amax(-1)  # [B, NQB]
     blocks = torch.arange(nqb, device=real.device).expand(b, nqb)
-    source = torch.where(sees, torch.where(real, blocks, -1).cummax(-1).values, blocks).clamp_min(0)
+    source = torch.where(~real & (anchor >= 0), anchor // bs, blocks)
     source = source.to(layout.block_cnt.device)[:, None].expand(b, layout.heads, nqb)
 
     def rows(t: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..attention.tokens import (
+    PAD_SEGMENT,
     BatchDocumentExtents,
     TokenMeta,
     padding_queries_see_prior_tokens,
@@ -42,7 +43,7 @@ class CPShard:
     sequence-classification head finds the token it pools (`integration/heads.py`); padding_rows: bool [B] or None,
     the rows whose padding after their tokens the model's head reads (a question-answering or sequence-classification
     head), set for the forward by the decoder's pre-hook (`heads.pass_padding_rows_on`): their padding queries attend
-    as SDPA's (`padding_query_meta`).
+    as SDPA's (`padding_queries`).
 
     Not a dataclass on purpose: FSDP2's mixed precision (`cast_forward_inputs`, on with bf16 parameters) rebuilds every
     dataclass among a forward's inputs at each module it wraps, so a dataclass shard reached every decoder layer as a
@@ -74,23 +75,54 @@ class CPShard:
         n = self.plan.seq_len
         return TokenMeta(self.meta.index[:, :n], self.meta.segment[:, :n])
 
-    def padding_query_meta(self) -> TokenMeta | None:
-        """The whole batch's query metadata [B, plan.padded_len] in which the padding after the tokens of the rows
-        `padding_rows` names sees the tokens before it (`tokens.padding_queries_see_prior_tokens`; the split's own
-        padding at the end sees nothing), or None: no such rows, none of them padded after its tokens (the documents
-        read back once per batch), or a split that reorders the row (`keeps_order` false: the document planner, whose
-        padding queries get no attention, as `heads.pass_padding_rows_on` says). Computed once per rows tensor."""
+    def padding_queries(self) -> tuple[TokenMeta, torch.Tensor | None] | None:
+        """(the whole batch's query metadata [B, plan.padded_len], in which the padding after the tokens of the rows
+        `padding_rows` names sees the tokens before it, `tokens.padding_queries_see_prior_tokens`; the global position
+        of the real token each such query follows, int64 [B, padded_len], -1 elsewhere, where the split reorders the
+        row, else None: `build.with_padding_query_blocks`), or None where no such row pads after its tokens (its
+        documents read back once per batch). The split's own padding sees nothing. Under a split that reorders the row
+        (the document planner) such a query keeps its place in the split, its index that of its row's last token plus
+        its distance from it (causal, and the window's distance as in the row). Computed once per rows tensor."""
         rows = self.padding_rows
-        if rows is None or not self.plan.keeps_order:
+        if rows is None:
             return None
         if self._padding_queries[0] is not rows:
-            meta, value = self.unpadded_meta, None
-            n = meta.segment.shape[-1]
-            if rows_pad_after_tokens(meta, rows):
-                seen = padding_queries_see_prior_tokens(meta, rows).segment
-                value = TokenMeta(self.meta.index, torch.cat([seen, self.meta.segment[:, n:]], 1))
-            self._padding_queries = (rows, value)
+            self._padding_queries = (rows, self._seeing_padding(rows) if self.plan.keeps_order
+                                     else self._seeing_reordered_padding(rows))
         return self._padding_queries[1]
+
+    def _seeing_padding(self, rows: torch.Tensor) -> tuple[TokenMeta, None] | None:
+        meta = self.unpadded_meta
+        n = meta.segment.shape[-1]
+        if not rows_pad_after_tokens(meta, rows):
+            return None
+        seen = padding_queries_see_prior_tokens(meta, rows).segment
+        return TokenMeta(self.meta.index, torch.cat([seen, self.meta.segment[:, n:]], 1)), None
+
+    def _seeing_reordered_padding(self, rows: torch.Tensor) -> tuple[TokenMeta, torch.Tensor] | None:
+        meta, n = self.meta, self.plan.seq_len
+        source = self.plan.source.to(meta.segment.device)  # (each global position's place in the row, -1: split's)
+        held = (source >= 0).nonzero().flatten()
+        place = source[held]
+        b = meta.segment.shape[0]
+        segment = meta.segment.new_full((b, n), PAD_SEGMENT)
+        segment[:, place] = meta.segment[:, held]
+        index = meta.index.new_zeros(b, n)
+        index[:, place] = meta.index[:, held]
+        row = TokenMeta(torch.arange(n, device=segment.device).expand(b, n), segment)  # (the row in its order)
+        if not rows_pad_after_tokens(row, rows):
+            return None
+        seen = padding_queries_see_prior_tokens(row, rows).segment
+        position = row.index
+        last = torch.where(segment != PAD_SEGMENT, position, -1).cummax(-1).values
+        anchor = index.gather(1, last.clamp_min(0))  # (the global position of the row's token before each)
+        follows = (seen != PAD_SEGMENT) & (segment == PAD_SEGMENT)
+        q_segment, q_index = meta.segment.clone(), meta.index.clone()
+        q_segment[:, held] = seen[:, place]
+        q_index[:, held] = torch.where(follows, anchor + position - last, index)[:, place]
+        anchors = torch.full_like(meta.index, -1)
+        anchors[:, held] = torch.where(follows, anchor, -1)[:, place]
+        return TokenMeta(q_index, q_segment), anchors
 
     def whole_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """The batch's tensor over its whole sequence, from every CP rank's tensor over its shard (an all-gather over

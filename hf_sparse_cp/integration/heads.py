@@ -19,15 +19,14 @@ share of the loss, trainer/cp_steps.py).
 
 A question-answering head's loss also reads the padding after a row's tokens, and so does a sequence-classification
 head whose pad_token_id is not the batch's padding: `pass_padding_rows_on` hands the attention calls the rows whose
-padding the head reads, whose padding queries then attend to the row's tokens as SDPA's (with or without CP; not
-under a split that reorders the row, which says so once). A language model's padding queries get no attention
-(output 0, as flash_attention_2's): no loss reads them, and they cost nothing.
+padding the head reads, whose padding queries then attend to the row's tokens as SDPA's (with or without CP, under
+every mode and sharding). A language model's padding queries get no attention (output 0, as flash_attention_2's): no
+loss reads them, and they cost nothing.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 from transformers.modeling_layers import (
@@ -40,8 +39,6 @@ from ..config import BACKEND_NAME
 from ..distributed.shard import CP_SHARD_KWARG
 from . import upstream
 from .call_context import cp_forward_shard
-
-logger = logging.getLogger(__name__)
 
 LANGUAGE_MODEL, TOKEN_CLASSIFICATION = "language model", "token classification"
 SEQUENCE_CLASSIFICATION, QUESTION_ANSWERING = "sequence classification", "question answering"
@@ -112,16 +109,6 @@ def pool_over_cp_group(model: torch.nn.Module) -> torch.utils.hooks.RemovableHan
     return getattr(base, _HEAD_LAYERS[head]).register_forward_hook(hook)
 
 
-# set on a decoder whose head's reading of padding under a reordering split was noted (`_note_reordered_split`)
-_NOTED = "_hf_sparse_cp_padding_read_noted"
-
-
-def padding_after_tokens(attention_mask: torch.Tensor) -> torch.Tensor:
-    """bool [B, S]: the padding after a row's first token, by the 2D padding mask [B, S]."""
-    real = attention_mask.bool()
-    return ~real & (real.long().cummax(-1).values > 0)
-
-
 # the heads whose loss or outputs may read a padding position (`pass_padding_rows_on`)
 PADDING_READING_HEADS = (SEQUENCE_CLASSIFICATION, QUESTION_ANSWERING)
 # The keyword under which the decoder of a model with such a head hands its attention calls the rows whose padding
@@ -165,22 +152,5 @@ def pass_padding_rows_on(head: str, decoder: torch.nn.Module, args, kwargs):
     rows = padding_rows_read(head, mask, ids, decoder.config.get_text_config().pad_token_id)
     if shard is None:
         return args, {**kwargs, PADDING_ROWS_KWARG: rows}
-    shard.padding_rows = rows  # (the batch's: every rank's modes read them from the shard, `padding_query_meta`)
-    if not shard.plan.keeps_order:
-        _note_reordered_split(head, decoder, mask, rows)
+    shard.padding_rows = rows  # (the batch's: every rank's modes read them from the shard, `CPShard.padding_queries`)
     return None
-
-
-def _note_reordered_split(head: str, decoder: torch.nn.Module, mask: torch.Tensor, rows: torch.Tensor) -> None:
-    """Log once per decoder, where one of `rows` pads after its tokens, that a split which reorders the row
-    (--cp_sharding document) gives the padding queries a head of `head` reads no attention
-    (`CPShard.padding_query_meta`): the one case left where such a head's outputs differ from SDPA's."""
-    if decoder.__dict__.get(_NOTED) or not bool((padding_after_tokens(mask) & rows[:, None]).any()):
-        return
-    decoder.__dict__[_NOTED] = True
-    logger.warning(
-        f"A {head} head on sparse_cp reads the padding after a row's tokens, whose queries --cp_sharding document "
-        "(which reorders the row's documents) gives no attention (output 0, as flash_attention_2 does), where SDPA and "
-        "eager attend them to the row's tokens: its outputs and loss differ from SDPA's there. For SDPA's: pad on the "
-        "left, set model.config.pad_token_id to the token that pads the batch (sequence classification), or use "
-        "another --cp_sharding (striped, zigzag, contiguous).")

@@ -156,7 +156,8 @@ def test_an_answer_model_gives_its_padding_queries_work():
 
 def test_padding_query_blocks_take_the_keys_of_their_rows_last_block_of_tokens():
     """`with_padding_query_blocks`: a query block of padding only that sees tokens takes the key blocks and columns of
-    its row's last block holding a token; the others keep theirs, and a row whose padding stays padding keeps its."""
+    its row's last block holding a token (or of the block of the token `anchors` names); the others keep theirs, and a
+    row whose padding stays padding keeps its."""
     segment = torch.zeros(2, 64, dtype=torch.int32)
     segment[0, 20:] = PAD_SEGMENT  # (row 0: tokens in blocks 0-1 of 16, padding from 20)
     segment[1, 40:] = PAD_SEGMENT
@@ -173,6 +174,11 @@ def test_padding_query_blocks_take_the_keys_of_their_rows_last_block_of_tokens()
         want, have = getattr(layout, name), getattr(got, name)
         assert torch.equal(have[1], want[1]) and torch.equal(have[0, :, :2], want[0, :, :2])
         assert torch.equal(have[0, :, 2], want[0, :, 1]) and torch.equal(have[0, :, 3], want[0, :, 1])
+    # (a split that reorders the row, `CPShard.padding_queries`: the block of the token each padding query follows)
+    anchors = torch.full((2, 64), -1).index_fill(1, torch.arange(20, 64), 5)
+    moved = with_padding_query_blocks(layout, meta, q_meta, anchors)
+    assert torch.equal(moved.block_idx[0, :, 2:], layout.block_idx[0, :, :1].expand(-1, 2, -1))
+    assert torch.equal(moved.col_idx[1], layout.col_idx[1])
 
 
 def test_a_sparse_pattern_keeps_its_tokens_outputs_and_attends_the_padding_after_them():

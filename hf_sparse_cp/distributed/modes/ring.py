@@ -37,9 +37,10 @@ class RingMode(CPMode):
         with torch.no_grad():
             estimate = estimate_cp(query, key, cfg, shard, scale=scale, sliding_window=sliding_window)
             kept = reported_kept_fraction(estimate, shard, cfg, sliding_window)
-        layout, q_meta = estimate.layout, shard.padding_query_meta()
-        if q_meta is not None:  # (padding queries a head reads: the keys of their row's last block of tokens)
-            layout = with_padding_query_blocks(layout, shard.meta, q_meta)
+        layout, padding, q_meta = estimate.layout, shard.padding_queries(), None
+        if padding is not None:  # (padding queries a head reads: the keys of their row's last block of tokens)
+            q_meta, anchors = padding
+            layout = with_padding_query_blocks(layout, shard.meta, q_meta, anchors)
         out, lse = ring_sparse_attention(query, key, value, layout, shard, scale=scale,
                                          sliding_window=sliding_window, stats=stats, check_layout=False,
                                          implementation=cfg.attention_engine, q_meta=q_meta)

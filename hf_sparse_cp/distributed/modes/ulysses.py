@@ -50,7 +50,7 @@ class UlyssesMode(HeadGroupMode):
 
     def attention(self, query, key, value, shard, cfg, *, scale, sliding_window, sinks, stats) -> CPAttention:
         plan, n = shard.plan, shard.plan.seq_len
-        padding_rows = None if shard.padding_query_meta() is None else shard.padding_rows
+        padding_rows = None if shard.padding_queries() is None else shard.padding_rows  # (a split in the row's order)
 
         def whole_sequence(q, k, v, head_sinks):  # one process's call on its tokens, padded at the sequence's end
             out, kept = sequence_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], shard.unpadded_meta, cfg,

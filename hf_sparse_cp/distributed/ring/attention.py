@@ -341,7 +341,7 @@ def ring_sparse_attention(
         implementation: the engine of every step ('auto', 'triton', 'flex', 'reference';
             `hf_sparse_cp.attention.engines`), chosen once per call from the global layout.
         q_meta: the queries' `TokenMeta` of the whole sequence where it is not the shard's (padding queries that see
-            the tokens before them, `CPShard.padding_query_meta`); the keys' is always the shard's.
+            the tokens before them, `CPShard.padding_queries`); the keys' is always the shard's.
         Under autocast, q, k, v are cast to the autocast dtype and the ring runs with autocast off.
 
     Returns:
