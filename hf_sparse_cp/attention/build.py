@@ -317,3 +317,37 @@ def dense_layout(meta: TokenMeta, block_size: int, sliding_window: int | None = 
     """
     check_meta("meta", meta, optional=False)
     return build_layout(meta, block_size, dense_tokens=meta.segment != PAD_SEGMENT, sliding_window=sliding_window)
+
+
+def with_padding_query_blocks(layout: SparseLayout, meta: TokenMeta, q_meta: TokenMeta,
+                              anchors: torch.Tensor | None = None) -> SparseLayout:
+    """`layout` (built for `meta`'s real tokens) with each query block that holds no real token of `meta` but queries
+    that `q_meta` lets see tokens (padding after a row's tokens, `tokens.padding_queries_see_prior_tokens`) given the
+    key blocks and columns of the block holding the real token those queries follow (`anchors`, int64 [B, S]: its
+    position in the layout's order, -1 for other tokens; by default the last real token before each, in a row in its
+    own order): the keys that block's queries attend to (every block of the row's last document where the pattern
+    keeps them all), which hold every real token such a padding query sees within the pattern. Any other query block
+    keeps its own (the block of a row's last token: its padding queries attend to what its real ones do). Reads nothing
+    back to the host."""
+    b, s = meta.segment.shape
+    bs, nqb = layout.block_size, layout.num_q_blocks
+    real_tokens = meta.segment != PAD_SEGMENT
+    if anchors is None:
+        position = torch.arange(s, device=real_tokens.device).expand(b, s)
+        anchors = torch.where(real_tokens, position, -1).cummax(-1).values
+
+    def per_block(x: torch.Tensor, fill) -> torch.Tensor:  # [B, S] -> [B, NQB, bs]
+        return torch.nn.functional.pad(x, (0, nqb * bs - s), value=fill).view(b, nqb, bs)
+
+    real = per_block(real_tokens, False).any(-1)
+    sees = (q_meta.segment != PAD_SEGMENT) & ~real_tokens
+    anchor = per_block(torch.where(sees, anchors.to(sees.device), -1), -1).amax(-1)  # [B, NQB]
+    blocks = torch.arange(nqb, device=real.device).expand(b, nqb)
+    source = torch.where(~real & (anchor >= 0), anchor // bs, blocks)
+    source = source.to(layout.block_cnt.device)[:, None].expand(b, layout.heads, nqb)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        index = source if t.dim() == 3 else source[..., None].expand(*source.shape, t.shape[-1])
+        return t.expand(b, *t.shape[1:]).gather(2, index)
+
+    return SparseLayout(*(rows(t) for t in layout.tensors()), bs)

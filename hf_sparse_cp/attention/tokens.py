@@ -183,16 +183,29 @@ def check_positions_inside_mask(attention_mask: torch.Tensor | None, inputs: Map
     check_positions_within_documents(segment, positions.to(real.device).expand(batch, seq_len), None)
 
 
-def padding_queries_see_prior_tokens(meta: TokenMeta) -> TokenMeta:
+def padding_queries_see_prior_tokens(meta: TokenMeta, rows: torch.Tensor | None = None) -> TokenMeta:
     """`meta` with every padding token after a real one in the document of the last real token before it, for use as
-    the queries of a dense call: SDPA and eager mask padding keys only, so such a padding query attends to the real
-    tokens before it, and the stock loss reads its logits where padding sits between a row's tokens (the last padding
-    position predicts the first token after the gap). Its key twin stays padding; padding before a row's first real
-    token sees nothing (output 0, which no loss reads; eager spreads such a row over every key instead)."""
+    the queries of a call: SDPA and eager mask padding keys only, so such a padding query attends to the real tokens
+    before it, and the stock loss reads its logits where padding sits between a row's tokens (the last padding
+    position predicts the first token after the gap), a question-answering head's wherever it sits (`heads.py`). Its
+    key twin stays padding; padding before a row's first real token sees nothing (output 0, which no loss reads; eager
+    spreads such a row over every key instead). `rows` (bool [B], optional): only those rows' padding, the others'
+    stays padding."""
     segment = meta.segment
     position = torch.arange(segment.shape[-1], device=segment.device).expand_as(segment)
     last_real = torch.where(segment != PAD_SEGMENT, position, -1).cummax(dim=1).values
-    return TokenMeta(meta.index, segment.gather(1, last_real.clamp_min(0)).masked_fill(last_real < 0, PAD_SEGMENT))
+    seen = segment.gather(1, last_real.clamp_min(0)).masked_fill(last_real < 0, PAD_SEGMENT)
+    if rows is not None:
+        seen = torch.where(rows.to(segment.device)[:, None], seen, segment)
+    return TokenMeta(meta.index, seen)
+
+
+def rows_pad_after_tokens(meta: TokenMeta, rows: torch.Tensor) -> bool:
+    """Whether one of `rows` (bool [B]) of `meta` has padding after its last real token, by its documents
+    (`TokenMeta.documents`, read back once per metadata object) and one read of `rows`."""
+    s = meta.segment.shape[-1]
+    padded = [bool(docs) and docs[-1][1] < s for docs in meta.documents]
+    return any(read and pad for read, pad in zip(rows.tolist(), padded))
 
 
 def document_table(segment: torch.Tensor) -> list[list[tuple[int, int]]]:

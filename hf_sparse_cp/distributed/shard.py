@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..attention.tokens import BatchDocumentExtents, TokenMeta
+from ..attention.tokens import (
+    PAD_SEGMENT,
+    BatchDocumentExtents,
+    TokenMeta,
+    padding_queries_see_prior_tokens,
+    rows_pad_after_tokens,
+)
 from .comm import all_gather_rows, all_reduce
 
 if TYPE_CHECKING:
@@ -34,7 +40,10 @@ class CPShard:
     packed_by_positions: whether `meta`'s documents come from the batch's restarting [B, S] position_ids, which a
     multimodal RoPE model expands to its rotary rows without packing by them (the backend refuses that);
     input_ids: the whole batch's token ids [B, plan.seq_len] (None: it came as inputs_embeds), by which a
-    sequence-classification head finds the token it pools (`integration/heads.py`).
+    sequence-classification head finds the token it pools (`integration/heads.py`); padding_rows: bool [B] or None,
+    the rows whose padding after their tokens the model's head reads (a question-answering or sequence-classification
+    head), set for the forward by the decoder's pre-hook (`heads.pass_padding_rows_on`): their padding queries attend
+    as SDPA's (`padding_queries`).
 
     Not a dataclass on purpose: FSDP2's mixed precision (`cast_forward_inputs`, on with bf16 parameters) rebuilds every
     dataclass among a forward's inputs at each module it wraps, so a dataclass shard reached every decoder layer as a
@@ -47,6 +56,8 @@ class CPShard:
                  packed_by_positions: bool = False, input_ids: torch.Tensor | None = None) -> None:
         self.parallel, self.plan, self.meta, self.documents = parallel, plan, meta, documents
         self.attention_mask, self.packed_by_positions, self.input_ids = attention_mask, packed_by_positions, input_ids
+        self.padding_rows: torch.Tensor | None = None
+        self._padding_queries: tuple = (None, None)
 
     def __repr__(self) -> str:
         return (f"CPShard(rank {self.rank} of CP {self.parallel.cp_size}, batch {tuple(self.meta.index.shape)}, "
@@ -63,6 +74,55 @@ class CPShard:
         once (`TokenMeta.documents`)."""
         n = self.plan.seq_len
         return TokenMeta(self.meta.index[:, :n], self.meta.segment[:, :n])
+
+    def padding_queries(self) -> tuple[TokenMeta, torch.Tensor | None] | None:
+        """(the whole batch's query metadata [B, plan.padded_len], in which the padding after the tokens of the rows
+        `padding_rows` names sees the tokens before it, `tokens.padding_queries_see_prior_tokens`; the global position
+        of the real token each such query follows, int64 [B, padded_len], -1 elsewhere, where the split reorders the
+        row, else None: `build.with_padding_query_blocks`), or None where no such row pads after its tokens (its
+        documents read back once per batch). The split's own padding sees nothing. Under a split that reorders the row
+        (the document planner) such a query keeps its place in the split, its index that of its row's last token plus
+        its distance from it (causal, and the window's distance as in the row). Computed once per rows tensor."""
+        rows = self.padding_rows
+        if rows is None:
+            return None
+        if self._padding_queries[0] is not rows:
+            self._padding_queries = (rows, self._seeing_padding(rows) if self.plan.keeps_order
+                                     else self._seeing_reordered_padding(rows))
+        return self._padding_queries[1]
+
+    def _seeing_padding(self, rows: torch.Tensor) -> tuple[TokenMeta, None] | None:
+        meta = self.unpadded_meta
+        n = meta.segment.shape[-1]
+        if not rows_pad_after_tokens(meta, rows):
+            return None
+        seen = padding_queries_see_prior_tokens(meta, rows).segment
+        return TokenMeta(self.meta.index, torch.cat([seen, self.meta.segment[:, n:]], 1)), None
+
+    def _seeing_reordered_padding(self, rows: torch.Tensor) -> tuple[TokenMeta, torch.Tensor] | None:
+        meta, n = self.meta, self.plan.seq_len
+        source = self.plan.source.to(meta.segment.device)  # (each global position's place in the row, -1: split's)
+        held = (source >= 0).nonzero().flatten()
+        place = source[held]
+        b = meta.segment.shape[0]
+        segment = meta.segment.new_full((b, n), PAD_SEGMENT)
+        segment[:, place] = meta.segment[:, held]
+        index = meta.index.new_zeros(b, n)
+        index[:, place] = meta.index[:, held]
+        row = TokenMeta(torch.arange(n, device=segment.device).expand(b, n), segment)  # (the row in its order)
+        if not rows_pad_after_tokens(row, rows):
+            return None
+        seen = padding_queries_see_prior_tokens(row, rows).segment
+        position = row.index
+        last = torch.where(segment != PAD_SEGMENT, position, -1).cummax(-1).values
+        anchor = index.gather(1, last.clamp_min(0))  # (the global position of the row's token before each)
+        follows = (seen != PAD_SEGMENT) & (segment == PAD_SEGMENT)
+        q_segment, q_index = meta.segment.clone(), meta.index.clone()
+        q_segment[:, held] = seen[:, place]
+        q_index[:, held] = torch.where(follows, anchor + position - last, index)[:, place]
+        anchors = torch.full_like(meta.index, -1)
+        anchors[:, held] = torch.where(follows, anchor, -1)[:, place]
+        return TokenMeta(q_index, q_segment), anchors
 
     def whole_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """The batch's tensor over its whole sequence, from every CP rank's tensor over its shard (an all-gather over

@@ -58,9 +58,11 @@ from .call_tokens import (
     every_key_call,
     is_bidirectional_mask,
     padding_between_tokens_once,
+    padding_rows_once,
 )
 from .compiled import traced_attention, traced_call, traced_setting
 from .forward_positions import with_forward_positions
+from .heads import PADDING_ROWS_KWARG
 from .layer_settings import configless_refusal, fresh_parsed_layer, layer_config
 from .stats import record_kept_fraction
 
@@ -242,7 +244,7 @@ def _attend(query, key, value, attention_mask, cfg, scaling, sliding_window, sha
     if q_len == k_len and padding_between_tokens_once(attention_mask) is None:
         meta = batch_token_meta(b, q_len, query.device, attention_mask, kwargs)
         return sequence_attention(query, key, value, meta, cfg, scale=scale, sliding_window=sliding_window,
-                                  sinks=sinks)
+                                  sinks=sinks, padding_rows=padding_rows_once(meta, kwargs.get(PADDING_ROWS_KWARG)))
     # Through a KV cache, or with padding between a row's tokens: every key block (not counted)
     q_meta, k_meta, layout = every_key_call(b, q_len, k_len, query.device, attention_mask, kwargs, cfg.block_size)
     out, lse = block_sparse_attention(query, key, value, layout, scale=scale, q_meta=q_meta, k_meta=k_meta,

@@ -19,6 +19,7 @@ from ..attention.tokens import (
     TokenMeta,
     padding_between_tokens,
     padding_queries_see_prior_tokens,
+    rows_pad_after_tokens,
     token_meta_from_kwargs,
 )
 from ..config import language_config
@@ -419,6 +420,19 @@ def padding_between_tokens_once(attention_mask: torch.Tensor | None) -> int | No
     if attention_mask is None:
         return None
     return _GAPS.get((), (attention_mask,), lambda: padding_between_tokens(attention_mask))
+
+
+_READ_ROWS = PerForward()
+
+
+def padding_rows_once(meta: TokenMeta, rows: torch.Tensor | None) -> torch.Tensor | None:
+    """`rows` (bool [B]: the rows whose padding queries a head reads, `heads.pass_padding_rows_on`) where one of them
+    has padding after its tokens by `meta` (its documents, read back once per forward), else None: a call with no
+    such padding query runs as for a language model (a dense one on a library kernel). Read once per forward."""
+    if rows is None:
+        return None
+
+    return _READ_ROWS.get((), (meta.segment, rows), lambda: rows if rows_pad_after_tokens(meta, rows) else None)
 
 
 def batch_token_meta(batch: int, seq_len: int, device: torch.device, attention_mask: torch.Tensor | None,

@@ -38,6 +38,7 @@ import weakref
 import torch
 from packaging.version import Version
 
+from ..attention.build import with_padding_query_blocks
 from ..attention.dense import (
     DENSE_BACKEND_ENV,
     DENSE_BACKENDS,
@@ -50,11 +51,12 @@ from ..attention.estimate import pattern_documents
 from ..attention.opaque import layout_attention
 from ..attention.sequence import sequence_layout
 from ..attention.sinks import with_sinks
-from ..attention.tokens import padding_between_tokens, token_meta_from_kwargs
+from ..attention.tokens import padding_between_tokens, padding_queries_see_prior_tokens, token_meta_from_kwargs
 from ..backends import choose_backend
 from ..config import SparseAttentionConfig
 from ..distributed.shard import CP_SHARD_KWARG
 from .call_tokens import _BIDIRECTIONAL, every_key_call
+from .heads import PADDING_ROWS_KWARG
 from .stats import record_kept_fraction
 from .upstream import register_ordered_effect, unbacked_size
 
@@ -110,14 +112,16 @@ def _record_kept(layer: str, kept: torch.Tensor, grad_enabled: bool) -> None:
 def sequence_plan(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None,
                   position_ids: torch.Tensor | None, cu_seq_lens_q: torch.Tensor | None,
                   cu_seq_lens_k: torch.Tensor | None, settings: str, scale: float, sliding_window: int | None,
-                  layer: str, grad_enabled: bool
+                  layer: str, grad_enabled: bool, padding_rows: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor, torch.Tensor]:
     """(block_idx, block_cnt, col_idx, col_cnt, q_index, q_segment, k_index, k_segment) of one call of
     q [B, Hq, S, D], k [B, Hkv, S, D] (no gradient), as the eager backend plans it from transformers' keyword
     arguments. The call's kept fraction is recorded on the module `layer` names (`layer_key`; '' for none) as the
     eager call's, in its module's mode with `grad_enabled` (the forward's: a compiled forward runs the op without
-    gradients); a call with padding between a row's tokens is not counted, as eagerly."""
+    gradients); a call with padding between a row's tokens is not counted, as eagerly. `padding_rows`: the rows whose
+    padding queries after their tokens a head reads (`heads.pass_padding_rows_on`), which see the tokens before them
+    over the blocks of their row's last block of tokens, as eagerly (`sequence.sequence_attention`)."""
     cfg = _settings(settings)
     b, _, s, _ = q.shape
     kwargs = _token_kwargs(position_ids, cu_seq_lens_q, cu_seq_lens_k)
@@ -128,6 +132,9 @@ def sequence_plan(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor
         docs = pattern_documents(cfg, meta, b, s, sliding_window)
         layout = sequence_layout(q, k, meta, cfg, docs, scale=scale, sliding_window=sliding_window)
         _record_kept(layer, layout.kept_fraction(meta, sliding_window), grad_enabled)
+        if padding_rows is not None:
+            q_meta = padding_queries_see_prior_tokens(meta, padding_rows)
+            layout = with_padding_query_blocks(layout, meta, q_meta)
     tensors = (*layout.tensors(), q_meta.index, q_meta.segment, meta.index, meta.segment)
     # (fresh tensors: a custom op's outputs alias neither its inputs nor each other)
     return tuple(t.clone(memory_format=torch.contiguous_format) for t in tensors)
@@ -135,7 +142,7 @@ def sequence_plan(q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor
 
 @sequence_plan.register_fake
 def _(q, k, attention_mask, position_ids, cu_seq_lens_q, cu_seq_lens_k, settings, scale, sliding_window, layer,
-      grad_enabled):
+      grad_enabled, padding_rows=None):
     b, _, s, _ = q.shape
     nqb = -(-s // _settings(settings).block_size)
     ctx = torch.library.get_ctx()
@@ -236,7 +243,7 @@ def traced_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         return sdpa_dense_attention(query, key, value, scale=scale)
     plan = sequence_plan(query.detach(), key.detach(), attention_mask, kwargs.get("position_ids"),
                          kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), settings, scale, sliding_window,
-                         layer, torch.is_grad_enabled())
+                         layer, torch.is_grad_enabled(), kwargs.get(PADDING_ROWS_KWARG))
     out, lse = layout_attention(query, key, value, *plan, cfg.block_size, scale, sliding_window, cfg.attention_engine)
     sinks = kwargs.get("s_aux")
     if sinks is not None:

@@ -17,15 +17,16 @@ scores every token with a start and an end logit, and its loss is a softmax of t
 Either head's outputs and loss are then the batch's on every rank (`BATCH_OUTPUT_HEADS`: the Trainer takes the rank's
 share of the loss, trainer/cp_steps.py).
 
-A question-answering head's loss also reads the padding after a row's tokens, where sparse_cp differs from SDPA (with
-or without CP), and so does a sequence-classification head whose pad_token_id is not the batch's padding:
-`note_padding_read_by_head` says so once.
+A question-answering head's loss also reads the padding after a row's tokens, and so does a sequence-classification
+head whose pad_token_id is not the batch's padding: `pass_padding_rows_on` hands the attention calls the rows whose
+padding the head reads, whose padding queries then attend to the row's tokens as SDPA's (with or without CP, under
+every mode and sharding). A language model's padding queries get no attention (output 0, as flash_attention_2's): no
+loss reads them, and they cost nothing.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 from transformers.modeling_layers import (
@@ -38,8 +39,6 @@ from ..config import BACKEND_NAME
 from ..distributed.shard import CP_SHARD_KWARG
 from . import upstream
 from .call_context import cp_forward_shard
-
-logger = logging.getLogger(__name__)
 
 LANGUAGE_MODEL, TOKEN_CLASSIFICATION = "language model", "token classification"
 SEQUENCE_CLASSIFICATION, QUESTION_ANSWERING = "sequence classification", "question answering"
@@ -110,64 +109,48 @@ def pool_over_cp_group(model: torch.nn.Module) -> torch.utils.hooks.RemovableHan
     return getattr(base, _HEAD_LAYERS[head]).register_forward_hook(hook)
 
 
-# set on a decoder whose head's reading of padding was noted (`note_padding_read_by_head`)
-_NOTED = "_hf_sparse_cp_padding_read_noted"
-# the heads whose loss or outputs may read a padding position (`note_padding_read_by_head`)
+# the heads whose loss or outputs may read a padding position (`pass_padding_rows_on`)
 PADDING_READING_HEADS = (SEQUENCE_CLASSIFICATION, QUESTION_ANSWERING)
+# The keyword under which the decoder of a model with such a head hands its attention calls the rows whose padding
+# queries the head reads (bool [B], the whole batch's under CP), as `cp_shard` reaches them: through the decoder
+# layers' keyword arguments (`pass_padding_rows_on`).
+PADDING_ROWS_KWARG = "sparse_cp_padding_rows"
 
 
-def padding_after_tokens(attention_mask: torch.Tensor) -> torch.Tensor | None:
-    """bool [B, S]: the padding after a row's last token, by the 2D padding mask [B, S]; None where a row pads between
-    two tokens (a call with such a gap attends every key, its padding queries as SDPA's: `call_tokens.every_key_call`).
-    """
-    real = attention_mask.bool()
-    if (real[:, 1:] & ~real[:, :-1]).sum(-1).add(real[:, 0]).gt(1).any():  # (a gap: `tokens.padding_between_tokens`)
-        return None
-    return ~real & (real.long().cummax(-1).values > 0)
+def padding_rows_read(head: str, attention_mask: torch.Tensor, input_ids: torch.Tensor | None,
+                      pad_token_id: int | None) -> torch.Tensor:
+    """bool [B]: the rows of a batch with the 2D padding mask `attention_mask` [B, S] whose padding positions a head of
+    `PADDING_READING_HEADS` reads: every row for a question-answering head (its loss is a softmax over every position
+    of the row); for a sequence-classification head the rows whose pooled token (`last_token_positions`, by the
+    batch's `input_ids` and the config's `pad_token_id`) is padding by the mask (the batch pads with another token than
+    pad_token_id, or comes as inputs_embeds, whose last position is pooled). Reads nothing back to the host."""
+    batch, seq_len = attention_mask.shape
+    if head == QUESTION_ANSWERING:
+        return torch.ones(batch, dtype=torch.bool, device=attention_mask.device)
+    pooled = last_token_positions(input_ids, pad_token_id, batch, seq_len, attention_mask.device)
+    return ~attention_mask.bool().gather(1, pooled[:, None]).squeeze(1)
 
 
-def note_padding_read_by_head(head: str, decoder: torch.nn.Module, args, kwargs) -> None:
+def pass_padding_rows_on(head: str, decoder: torch.nn.Module, args, kwargs):
     """Forward pre-hook (with kwargs, `head` bound) on the decoder of a model with a head of `PADDING_READING_HEADS`
-    (`registration.guard_registration`): the first forward on sparse_cp whose head reads padding after a row's tokens
-    (the whole batch under CP: the shard's mask and input_ids) logs so once per decoder. sparse_cp gives such a padding
-    query no attention (its output 0, as transformers' flash_attention_2 does), where SDPA and eager attend it to the
-    row's tokens. A language model's or token-classification head's loss reads no padding position (-100 labels), but
-    transformers' question-answering loss takes a softmax over every position of the row (tiny Llama, fp64, every
-    block kept, a row padded from 60 of 80 tokens: loss 4.3380 against SDPA's 4.3491; left padding, which sees no token
-    under either, gives SDPA's), and a sequence-classification head pools the last token that is not its config's
-    pad_token_id, a padding position where the batch pads with another token (pooled logits 0.16 from SDPA's)."""
-    if decoder.__dict__.get(_NOTED) or upstream.attn_implementation(decoder.config) != BACKEND_NAME:
-        return
+    (`registration.guard_registration`): where it runs on sparse_cp with a 2D padding mask (the whole batch's under
+    CP: the shard's mask and input_ids), the rows whose padding the head reads (`padding_rows_read`) go on to the
+    attention calls under `PADDING_ROWS_KWARG`, which attend those rows' padding queries after their tokens to the
+    tokens before them, as SDPA and eager do (`sequence.sequence_attention`); transformers' flash_attention_2 gives
+    them no attention, as sparse_cp does for a language model's or token-classification head's, whose loss reads no
+    padding position (-100 labels), so that their padding costs nothing. Without it a question-answering loss differed
+    from SDPA's (tiny Llama, fp64, every block kept, a row padded from 60 of 80 tokens: 4.3380 against 4.3491), and so
+    did the pooled logits of a sequence-classification head that pools a padding position (0.16 from SDPA's).
+    Keyword arguments reach the layers' gradient-checkpoint recomputation as well."""
+    if kwargs.get(PADDING_ROWS_KWARG) is not None or upstream.attn_implementation(decoder.config) != BACKEND_NAME:
+        return None
     shard = kwargs.get(CP_SHARD_KWARG)  # (a CP shard, or a probe in its place: no mask)
     mask = kwargs.get("attention_mask") if shard is None else getattr(shard, "attention_mask", None)
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-        return
-    padding = padding_after_tokens(mask)
-    if padding is None or not padding.any():
-        return
-    if head == SEQUENCE_CLASSIFICATION:
-        ids = (kwargs.get("input_ids", args[0] if args else None) if shard is None
-               else getattr(shard, "input_ids", None))
-        pad_token_id = decoder.config.get_text_config().pad_token_id
-        pooled = last_token_positions(ids, pad_token_id, mask.shape[0], mask.shape[1], mask.device)
-        rows = padding.gather(1, pooled[:, None]).squeeze(1).nonzero().flatten().tolist()
-        if not rows:
-            return
-        what = (f"a sequence-classification head pools the last token of each row that is not its config's "
-                f"pad_token_id ({pad_token_id}), which in row {rows[0]} of the batch is padding by its attention mask "
-                "(the batch pads with another token, or comes as inputs_embeds, whose last position is pooled)")
-        fix = ("set model.config.pad_token_id to the token that pads the batch (the tokenizer's pad_token_id), or "
-               "train with the model's own attention (--sparse_attention false)")
-        reads = "the pooled logits and their loss differ from SDPA's"
-    else:
-        what = "a question-answering head scores every position of a row, padding included"
-        fix = ("pad on the left (tokenizer.padding_side = 'left'; run_qa.py then puts the context first), or train "
-               "with the model's own attention (--sparse_attention false)")
-        reads = ("the start and end logits at the padding after a row's tokens differ from SDPA's, and so does the "
-                 "loss of start_positions / end_positions (transformers' softmax over every position of the row; the "
-                 "real tokens' logits are SDPA's)")
-    decoder.__dict__[_NOTED] = True
-    logger.warning(
-        f"A head on sparse_cp reads padding otherwise than SDPA: {what}. sparse_cp gives a padding query after a "
-        "row's tokens no attention (output 0, as flash_attention_2 does), where SDPA and eager attend it to the "
-        f"row's tokens, so {reads}. For SDPA's: {fix}.")
+        return None
+    ids = kwargs.get("input_ids", args[0] if args else None) if shard is None else getattr(shard, "input_ids", None)
+    rows = padding_rows_read(head, mask, ids, decoder.config.get_text_config().pad_token_id)
+    if shard is None:
+        return args, {**kwargs, PADDING_ROWS_KWARG: rows}
+    shard.padding_rows = rows  # (the batch's: every rank's modes read them from the shard, `CPShard.padding_queries`)
+    return None

@@ -16,7 +16,7 @@ from .backend import is_registered
 from .composite import backend_selection, implementations, switched_to
 from .forward_positions import pass_positions_on
 from .given import require_model
-from .heads import PADDING_READING_HEADS, model_head, note_padding_read_by_head
+from .heads import PADDING_READING_HEADS, model_head, pass_padding_rows_on
 from .interfaces import registered_for_a_check
 from .kv_sharing import slice_kv_sharing, unslice_kv_sharing
 from .layer_settings import parse_layer_configs
@@ -142,8 +142,8 @@ def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:
     or the model uses another implementation. With it, a pre-hook on its decoder passes the decoder's `position_ids`
     on to the attention calls (`forward_positions.pass_positions_on`), and one on each position table fed positions
     counted from the input's length gives it the row's positions under CP (`positions.hook_length_counted_tables`), one
-    on the decoder of a question-answering or sequence-classification model notes padding its head reads otherwise
-    than SDPA (`heads.note_padding_read_by_head`), and
+    on the decoder of a question-answering or sequence-classification model hands the attention calls the rows whose
+    padding its head reads, which then attend as SDPA's (`heads.pass_padding_rows_on`), and
     a model that slices its KV-shared layers' inputs as 4D-masked ones hands them on whole (`kv_sharing`). The hooks are
     module-level functions, so they go with copies of the model (pickle, `copy.deepcopy`). Returns the call that removes
     them, or None when the model already has them."""
@@ -155,7 +155,7 @@ def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:
         handles.append(decoder.register_forward_pre_hook(pass_positions_on, with_kwargs=True))
         head = model_head(model)
         if head in PADDING_READING_HEADS:
-            handles.append(decoder.register_forward_pre_hook(functools.partial(note_padding_read_by_head, head),
+            handles.append(decoder.register_forward_pre_hook(functools.partial(pass_padding_rows_on, head),
                                                              with_kwargs=True))
     handles += hook_length_counted_tables(model)
     unslice_kv_sharing(model)

@@ -230,10 +230,22 @@ def test_a_classification_head_under_dp2_x_cp2_trains_as_one_process_or_as_dp2(h
         assert rel_rms(rank["update"], want["update"]) < 1e-9
 
 
-def _train_answers(rank: int, world: int) -> dict:
-    """A question-answering head's 2 SGD steps on `_rows` padded on the left and on the right: SDPA in one process,
-    sparse_cp with every block kept under CP `world`; by side, the losses logged and how many notes of padding scored
-    otherwise than SDPA."""
+# Heads that read the padding after a row's tokens under CP 2, every block kept: name -> (head, config's pad_token_id,
+# CP flags)
+PADDING_READS = {
+    "qa ring": (ANSWERS, 0, {}),
+    "qa zigzag": (ANSWERS, 0, {"cp_sharding": "zigzag"}),
+    "qa ulysses": (ANSWERS, 0, {"cp_mode": "ulysses"}),
+    "qa document": (ANSWERS, 0, {"cp_sharding": "document"}),
+    "sequence pooling padding": (SEQUENCE, 5, {"cp_sharding": "contiguous"}),
+    "sequence pooling padding document": (SEQUENCE, 5, {"cp_sharding": "document"}),
+}
+
+
+def _train_padding_reads(rank: int, world: int) -> dict:
+    """Each head of `PADDING_READS` trained 2 SGD steps in fp64 on `_rows` padded on the left and on the right: SDPA
+    in one process, sparse_cp with every block kept under CP `world` with the run's flags; by run and side, the losses
+    logged, the start/end or pooled logits of `predict()` and how many warnings of padding read otherwise than SDPA."""
     import logging
 
     import transformers
@@ -251,40 +263,53 @@ def _train_answers(rank: int, world: int) -> dict:
     handler.emit = lambda record: notes.append(record.getMessage())
     logging.getLogger("hf_sparse_cp.integration.heads").addHandler(handler)
     results = {}
-    for side in ("left", "right"):
-        notes.clear()
-        torch.manual_seed(0)
-        model = transformers.AutoModelForQuestionAnswering.from_config(tiny_config("llama", pad_token_id=0),
-                                                                       attn_implementation="sdpa").double()
-        with tempfile.TemporaryDirectory() as tmp:
-            args = TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, save_strategy="no",
-                                     per_device_train_batch_size=2, max_steps=2, optim="sgd", learning_rate=0.5,
-                                     lr_scheduler_type="constant", logging_steps=1,
-                                     train_sampling_strategy="sequential")
-            trainer = Trainer(model=model, args=args, train_dataset=_rows(ANSWERS, side)[:4],
-                              data_collator=default_data_collator)
-            if world > 1:
-                hf_sparse_cp.configure(model, SparseAttentionConfig(block_size=16, min_seq_len=0, sink_tokens=0,
-                                                                    dense_first_layers=0, vertical_topk=10**4,
-                                                                    slash_topk=10**4))
-                attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True),
-                                  ContextParallelConfig(cp_size=world))
-            trainer.train()
-            if world > 1:
-                detach_from_trainer(trainer)
-        results[side] = ([log["loss"] for log in trainer.state.log_history if "loss" in log],
-                         sum("question-answering head" in note for note in notes))
+    for name, (head, pad_token_id, flags) in PADDING_READS.items():
+        for side in ("left", "right"):
+            notes.clear()
+            torch.manual_seed(0)
+            auto = "AutoModelForQuestionAnswering" if head == ANSWERS else "AutoModelForSequenceClassification"
+            model = getattr(transformers, auto).from_config(
+                tiny_config("llama", pad_token_id=pad_token_id, num_labels=LABELS, classifier_dropout=0.0),
+                attn_implementation="sdpa").double()
+            rows = _rows(head, side)[:4]
+            with tempfile.TemporaryDirectory() as tmp:
+                args = TrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, save_strategy="no",
+                                         per_device_train_batch_size=2, per_device_eval_batch_size=2, max_steps=2,
+                                         optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
+                                         logging_steps=1, train_sampling_strategy="sequential")
+                trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=default_data_collator)
+                if world > 1:
+                    hf_sparse_cp.configure(model, SparseAttentionConfig(block_size=16, min_seq_len=0, sink_tokens=0,
+                                                                        dense_first_layers=0, vertical_topk=10**4,
+                                                                        slash_topk=10**4))
+                    attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True),
+                                      ContextParallelConfig(cp_size=world, **flags))
+                trainer.train()
+                predictions = _flat(trainer.predict(rows).predictions)
+                if world > 1:
+                    detach_from_trainer(trainer)
+            results[name, side] = ([log["loss"] for log in trainer.state.log_history if "loss" in log], predictions,
+                                   sum("padding" in note for note in notes))
     return results
 
 
-def test_a_question_answering_head_under_cp2_gives_sdpa_loss_left_padded_and_says_why_not_right_padded():
-    """transformers' question-answering loss takes a softmax over every position of the row, padding included, whose
-    queries sparse_cp gives no attention after a row's tokens (as flash_attention_2), where SDPA attends them to the
-    row's tokens. Left-padded, CP 2 with every block kept logs SDPA's losses (fp64); right-padded they differ (5.2723
-    against 5.2910), which each rank now says once (`heads.note_padding_read_by_head`), naming left padding."""
+def test_heads_reading_padding_under_cp2_give_sdpas_outputs_and_loss():
+    """transformers' question-answering loss takes a softmax over every position of the row, padding included, and a
+    sequence-classification head whose pad_token_id (5) is not the batch's padding (0) pools a padding position.
+    sparse_cp gave the padding queries after a row's tokens no attention (as flash_attention_2), where SDPA attends
+    them to the row's tokens: right-padded, CP 2 logged 5.2723 against SDPA's 5.2910, with a warning. Now, with every
+    block kept, the ring (striped, zigzag, contiguous, and the document planner, which reorders a row's documents and
+    its padding) and ulysses log SDPA's losses and predict SDPA's logits at every position (fp64), left- or
+    right-padded, unwarned."""
     from hf_sparse_cp.testing.spawn import run_gloo
 
-    (want,) = run_gloo(_train_answers, 1, timeout_s=300)
-    for rank in run_gloo(_train_answers, 2, timeout_s=300):
-        assert rank["left"][0] == pytest.approx(want["left"][0], rel=1e-9) and rank["left"][1] == 0
-        assert rank["right"][0] != pytest.approx(want["right"][0], rel=1e-3) and rank["right"][1] == 1
+    (want,) = run_gloo(_train_padding_reads, 1, timeout_s=600)
+    for rank in run_gloo(_train_padding_reads, 2, timeout_s=900):
+        for (name, side), (losses, predictions, notes) in rank.items():
+            want_losses, want_predictions, _ = want[name, side]
+            assert losses == pytest.approx(want_losses, rel=1e-9) and notes == 0, (name, side)
+            real = torch.stack([r["attention_mask"] for r in _rows(PADDING_READS[name][0], side)[:4]]).bool()
+            for got, expected in zip(predictions, want_predictions, strict=True):
+                # (left padding sees no token under either, and SDPA's output there is no one's)
+                seen = real if side == "left" and PADDING_READS[name][0] == ANSWERS else slice(None)
+                torch.testing.assert_close(got[seen], expected[seen], rtol=1e-9, atol=1e-10)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_sparse_cp.attention.build import dense_layout
+from hf_sparse_cp.attention.build import dense_layout, with_padding_query_blocks
 from hf_sparse_cp.attention.call import AttentionCall
 from hf_sparse_cp.attention.layout import SparseLayout
 from hf_sparse_cp.attention.ops import block_sparse_attention
@@ -330,6 +330,28 @@ def test_padding_queries_that_see_the_tokens_before_them(interp):
                                       torch.full((2, 1, blocks), blocks, dtype=torch.int32), bs)
     for window in (None, 24):
         _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta, window=window)
+
+
+def test_padding_queries_after_a_rows_tokens_over_their_last_blocks_keys(interp):
+    """A head that reads the padding after a row's tokens (`sequence.sequence_attention`'s padding_rows): a sparse
+    per-head layout with columns, its query blocks of padding only given the key blocks and columns of the row's last
+    block of tokens (`build.with_padding_query_blocks`), the padding queries of row 0 seeing the tokens before them and
+    row 1's none; with and without a window. The kernels equal the fp64 reference, and row 0's padding queries see keys
+    (row 1's do not)."""
+    s, bs, hq = 100, 16, 4
+    q, k, v, dout, dlse = _inputs(2, hq, 2, s, s, 16, torch.float32, seed=13)
+    seg = torch.zeros(2, s, dtype=torch.int32)
+    seg[:, 30:] = 1  # (two packed documents, padding after the second from 55)
+    seg[:, 55:] = PAD_SEGMENT
+    k_meta = TokenMeta.from_segments(seg)
+    q_meta = padding_queries_see_prior_tokens(k_meta, torch.tensor([True, False]))
+    sparse = random_layout(2, hq, s, s, bs, 0.5, 0.1, generator=torch.Generator().manual_seed(14))
+    layout = with_padding_query_blocks(sparse, k_meta, q_meta)
+    assert torch.equal(layout.block_cnt[0, :, 4:], sparse.block_cnt[0, :, 3:4].expand(hq, 3))
+    for window in (None, 40):
+        out, lse, *_ = _check_against_reference(interp, q, k, v, dout, dlse, layout, q_meta, k_meta, window=window)
+        if window is None:
+            assert bool(torch.isfinite(lse[0, :, 55:]).any()) and not bool(torch.isfinite(lse[1, :, 55:]).any())
 
 
 def test_non_finite_inputs_give_nan_rows_not_zeros(interp):

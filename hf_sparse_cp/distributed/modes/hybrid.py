@@ -49,6 +49,7 @@ class HybridMode(HeadGroupMode):
 
     def attention(self, query, key, value, shard, cfg, *, scale, sliding_window, sinks, stats) -> CPAttention:
         ring_shard = CPShard(shard.parallel.ring, shard.plan.outer, shard.meta)  # this rank's ring and its split
+        ring_shard.padding_rows = shard.padding_rows
 
         def over_the_ring(q, k, v, head_sinks):
             result = RING.attention(q, k, v, ring_shard, cfg, scale=scale, sliding_window=sliding_window,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...attention.build import with_padding_query_blocks
 from ...attention.sinks import with_sinks
 from ...config import SparseAttentionConfig
 from ..kept_fraction import reported_kept_fraction
@@ -36,10 +37,14 @@ class RingMode(CPMode):
         with torch.no_grad():
             estimate = estimate_cp(query, key, cfg, shard, scale=scale, sliding_window=sliding_window)
             kept = reported_kept_fraction(estimate, shard, cfg, sliding_window)
-        out, lse = ring_sparse_attention(query, key, value, estimate.layout, shard, scale=scale,
+        layout, padding, q_meta = estimate.layout, shard.padding_queries(), None
+        if padding is not None:  # (padding queries a head reads: the keys of their row's last block of tokens)
+            q_meta, anchors = padding
+            layout = with_padding_query_blocks(layout, shard.meta, q_meta, anchors)
+        out, lse = ring_sparse_attention(query, key, value, layout, shard, scale=scale,
                                          sliding_window=sliding_window, stats=stats, check_layout=False,
-                                         implementation=cfg.attention_engine)
-        return CPAttention(with_sinks(out, lse, sinks), lse, estimate.layout, kept)
+                                         implementation=cfg.attention_engine, q_meta=q_meta)
+        return CPAttention(with_sinks(out, lse, sinks), lse, layout, kept)
 
     def describe(self, parallel) -> str:
         return f"{parallel.sharding} sharding, {ring_shape(parallel)}"

@@ -50,10 +50,12 @@ class UlyssesMode(HeadGroupMode):
 
     def attention(self, query, key, value, shard, cfg, *, scale, sliding_window, sinks, stats) -> CPAttention:
         plan, n = shard.plan, shard.plan.seq_len
+        padding_rows = None if shard.padding_queries() is None else shard.padding_rows  # (a split in the row's order)
 
         def whole_sequence(q, k, v, head_sinks):  # one process's call on its tokens, padded at the sequence's end
             out, kept = sequence_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], shard.unpadded_meta, cfg,
-                                           scale=scale, sliding_window=sliding_window, sinks=head_sinks)
+                                           scale=scale, sliding_window=sliding_window, sinks=head_sinks,
+                                           padding_rows=padding_rows)
             return F.pad(out, (0, 0, 0, plan.padded_len - n)), kept
 
         out, kept = head_parallel_attention(query, key, value, shard, whole_sequence, sinks=sinks, stats=stats)

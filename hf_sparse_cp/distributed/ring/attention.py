@@ -32,6 +32,7 @@ from ...attention.engines import resolve_engine
 from ...attention.layout import SparseLayout, check_tensors
 from ...attention.ops import attention_backward, attention_forward
 from ...attention.precision import autocast_inputs, compute_dtype
+from ...attention.tokens import TokenMeta
 from ..comm import P2PComm, Pending, Transfer
 from ..shard import CPShard
 from .plan import RingPlan, check_global_layout
@@ -319,6 +320,7 @@ def ring_sparse_attention(
     stats: RingStats | None = None,
     check_layout: bool = True,
     implementation: str = "auto",
+    q_meta: TokenMeta | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of this rank's queries over the keys `layout` lists, keys spread over the CP group.
 
@@ -338,6 +340,8 @@ def ring_sparse_attention(
             `context_parallel_attention`, whose layouts are correct by construction, turns it off.
         implementation: the engine of every step ('auto', 'triton', 'flex', 'reference';
             `hf_sparse_cp.attention.engines`), chosen once per call from the global layout.
+        q_meta: the queries' `TokenMeta` of the whole sequence where it is not the shard's (padding queries that see
+            the tokens before them, `CPShard.padding_queries`); the keys' is always the shard's.
         Under autocast, q, k, v are cast to the autocast dtype and the ring runs with autocast off.
 
     Returns:
@@ -364,7 +368,7 @@ def ring_sparse_attention(
     if check_layout:
         layout.validate(hq, plan.padded_len, plan.padded_len)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    ring_plan = RingPlan(layout, plan, shard.meta, shard.parallel.topology, shard.parallel.cp_rank)
+    ring_plan = RingPlan(layout, plan, shard.meta, shard.parallel.topology, shard.parallel.cp_rank, q_meta)
     ring = _Ring(ring_plan, shard)
     engine = resolve_engine(q, layout, implementation)
     with torch.autocast(q.device.type, enabled=False):

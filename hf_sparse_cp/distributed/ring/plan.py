@@ -314,13 +314,14 @@ class RingPlan:
     """One rank's ring schedule for one global layout (see the module docstring).
 
     layout: the global layout (identical on every rank); plan: the sequence split; meta: the
-    whole padded sequence's `TokenMeta` [B, padded_len]; position: this rank's ring position.
+    whole padded sequence's `TokenMeta` [B, padded_len]; position: this rank's ring position; q_meta: the queries'
+    where they are not `meta`'s (padding queries that see the tokens before them), else None.
     `bar` is None when this rank neither lists a column nor holds one another rank lists; `bar_work`
     says whether its queries list any column.
     """
 
     def __init__(self, layout: SparseLayout, plan: BlockSplit, meta: TokenMeta, topology: RingTopology,
-                 position: int) -> None:
+                 position: int, q_meta: TokenMeta | None = None) -> None:
         self.topology, self.plan, self.position = topology, plan, position
         meta = meta.pad_to(plan.padded_len)
         dev = layout.block_idx.device
@@ -334,7 +335,7 @@ class RingPlan:
         flags = [f.view(torch.uint8) for f in (read_flags(layout, plan), mine.listed_columns(n))] + [readers.flatten()]
         reads, listed, readers = torch.cat(flags).cpu().split([w * nb, n, readers.numel()])
         self.sets = TransferSets(reads.view(torch.bool).view(w, nb), plan, topology)
-        self.q_meta = plan.shard_meta(meta, position)
+        self.q_meta = plan.shard_meta(meta if q_meta is None else q_meta, position)
         self.steps: list[RingStep] = []
         for o in range(topology.num_nodes):
             for i in range(topology.node_size):
