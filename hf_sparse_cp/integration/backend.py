@@ -62,7 +62,7 @@ from .call_tokens import (
 )
 from .compiled import traced_attention, traced_call, traced_setting
 from .forward_positions import with_forward_positions
-from .heads import PADDING_ROWS_KWARG
+from .heads import PADDING_ROWS_KWARG, with_padding_rows
 from .layer_settings import configless_refusal, fresh_parsed_layer, layer_config
 from .stats import record_kept_fraction
 
@@ -135,7 +135,7 @@ def _traced_call(module, query, key, value, attention_mask, dropout, scaling, sl
     if parsed is None or IN_PROGRESS["probes and CP forwards"] or masked_locality(module, unseen_window) is not None:
         return None
     refuse_unsupported(module, dropout, softcap, attention_mask, kwargs, query.shape[1])
-    kwargs = with_forward_positions(kwargs, query.shape[2])
+    kwargs = with_padding_rows(module, with_forward_positions(kwargs, query.shape[2]), query.shape[0], query.device)
     refuse_attention_weights(module, kwargs)
     query, key, value, scaling, value_dim = _engine_inputs(query, key, value, scaling)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -176,7 +176,8 @@ def _call_outside_graphs(module, query, key, value, attention_mask, dropout, sca
             raise ValueError(refused)
         query = _row_scaled_queries(module, query, shard)
     elif query.shape[2] == key.shape[2]:
-        kwargs = with_forward_positions(kwargs, query.shape[2])
+        kwargs = with_padding_rows(module, with_forward_positions(kwargs, query.shape[2]), query.shape[0],
+                                   query.device)
     own_keys = own_keys_refusal(module, query.shape[2], key.shape[2], attention_mask, shard is not None)
     if own_keys:
         raise ValueError(own_keys)

@@ -20,8 +20,10 @@ share of the loss, trainer/cp_steps.py).
 A question-answering head's loss also reads the padding after a row's tokens, and so does a sequence-classification
 head whose pad_token_id is not the batch's padding: `pass_padding_rows_on` hands the attention calls the rows whose
 padding the head reads, whose padding queries then attend to the row's tokens as SDPA's (with or without CP, under
-every mode and sharding). A language model's padding queries get no attention (output 0, as flash_attention_2's): no
-loss reads them, and they cost nothing.
+every mode and sharding); so do every row's for a head of an architecture's own (one process: CP refuses such a head)
+and where a decoder layer does not hand the rows on (`with_padding_rows`). A language model's and a
+token-classification head's padding queries get no attention (output 0, as flash_attention_2's): no loss reads them,
+and they cost nothing.
 """
 
 from __future__ import annotations
@@ -115,6 +117,36 @@ PADDING_READING_HEADS = (SEQUENCE_CLASSIFICATION, QUESTION_ANSWERING)
 # queries the head reads (bool [B], the whole batch's under CP), as `cp_shard` reaches them: through the decoder
 # layers' keyword arguments (`pass_padding_rows_on`).
 PADDING_ROWS_KWARG = "sparse_cp_padding_rows"
+# Set on every module of the decoder of a model with such a head or a head `model_head` does not know
+# (`mark_padding_read`): its attention calls that come without the rows attend every row's padding queries
+# (`with_padding_rows`).
+_READS_PADDING = "_hf_sparse_cp_head_reads_padding"
+
+
+def mark_padding_read(decoder: torch.nn.Module) -> None:
+    """Mark the modules of `decoder` (that of a model with a head of `PADDING_READING_HEADS`, or with a head of its
+    architecture's own, `model_head` None, whose reading of padding is not known) for `with_padding_rows`;
+    `unmark_padding_read` undoes it."""
+    for module in decoder.modules():
+        module.__dict__[_READS_PADDING] = True
+
+
+def unmark_padding_read(decoder: torch.nn.Module) -> None:
+    for module in decoder.modules():
+        module.__dict__.pop(_READS_PADDING, None)
+
+
+def with_padding_rows(module: torch.nn.Module, kwargs: dict, batch: int, device: torch.device) -> dict:
+    """An attention call's keyword arguments, with every row under `PADDING_ROWS_KWARG` where the call of `module`, a
+    layer of a model marked by `mark_padding_read`, came without the rows `pass_padding_rows_on` gives a decoder:
+    that of a head of an architecture's own (GPT-2's, OPT's, GPT-NeoX's, Falcon's question-answering and
+    sequence-classification heads: their padding queries got no attention, their logits at padding positions
+    0.02-0.15 from SDPA's, tiny models in fp64), or of a decoder layer that does not hand its keyword arguments on to
+    attention (StableLM's in transformers 5.25). Every row's padding queries then attend as SDPA's: exact, at the cost
+    of the padding the rows would have spared."""
+    if kwargs.get(PADDING_ROWS_KWARG) is not None or not module.__dict__.get(_READS_PADDING):
+        return kwargs
+    return {**kwargs, PADDING_ROWS_KWARG: torch.ones(batch, dtype=torch.bool, device=device)}
 
 
 def padding_rows_read(head: str, attention_mask: torch.Tensor, input_ids: torch.Tensor | None,

@@ -16,7 +16,7 @@ from .backend import is_registered
 from .composite import backend_selection, implementations, switched_to
 from .forward_positions import pass_positions_on
 from .given import require_model
-from .heads import PADDING_READING_HEADS, model_head, pass_padding_rows_on
+from .heads import PADDING_READING_HEADS, mark_padding_read, model_head, pass_padding_rows_on, unmark_padding_read
 from .interfaces import registered_for_a_check
 from .kv_sharing import slice_kv_sharing, unslice_kv_sharing
 from .layer_settings import parse_layer_configs
@@ -143,7 +143,8 @@ def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:
     on to the attention calls (`forward_positions.pass_positions_on`), and one on each position table fed positions
     counted from the input's length gives it the row's positions under CP (`positions.hook_length_counted_tables`), one
     on the decoder of a question-answering or sequence-classification model hands the attention calls the rows whose
-    padding its head reads, which then attend as SDPA's (`heads.pass_padding_rows_on`), and
+    padding its head reads, which then attend as SDPA's (`heads.pass_padding_rows_on`; every row's where a layer does
+    not hand them on, and for a head of an architecture's own: `heads.mark_padding_read`), and
     a model that slices its KV-shared layers' inputs as 4D-masked ones hands them on whole (`kv_sharing`). The hooks are
     module-level functions, so they go with copies of the model (pickle, `copy.deepcopy`). Returns the call that removes
     them, or None when the model already has them."""
@@ -157,6 +158,8 @@ def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:
         if head in PADDING_READING_HEADS:
             handles.append(decoder.register_forward_pre_hook(functools.partial(pass_padding_rows_on, head),
                                                              with_kwargs=True))
+        if head in PADDING_READING_HEADS or head is None:
+            mark_padding_read(decoder)
     handles += hook_length_counted_tables(model)
     unslice_kv_sharing(model)
     model.__dict__[_GUARD] = True
@@ -201,5 +204,6 @@ def _remove_guard(model: torch.nn.Module, handles: list[RemovableHandle]) -> Non
     for handle in handles:
         handle.remove()
     unhook(model)
+    unmark_padding_read(model)
     slice_kv_sharing(model)
     model.__dict__.pop(_GUARD, None)

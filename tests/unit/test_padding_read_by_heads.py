@@ -106,6 +106,40 @@ def test_a_sequence_classification_head_pooling_padding_gives_sdpas_logits(caplo
     assert not _said(caplog)
 
 
+@pytest.mark.parametrize(("family", "auto"), [("gpt2", QA), ("opt", SEQ), ("gpt_neox", QA), ("stablelm", SEQ)])
+def test_heads_of_an_architectures_own_and_layers_not_handing_the_rows_on_give_sdpas_outputs(family, auto):
+    """GPT-2's, OPT's and GPT-NeoX's question-answering and sequence-classification heads are their architecture's own
+    (no pre-hook gives their decoder the rows), and StableLM's decoder layers do not hand keyword arguments on to
+    attention: every row's padding queries attend (`heads.with_padding_rows`), so the logits at every position, the
+    loss and the gradients are SDPA's (before: the logits after the row's tokens 0.02-0.15 from SDPA's, unsaid)."""
+    reference, model = (m.eval() for m in _models(auto, pad_token_id=5, family=family))  # (GPT-2's, OPT's dropouts)
+    batch = _batch("right", auto)
+    _assert_sdpas(_outputs(model, batch), _outputs(reference, batch))
+
+
+def test_a_bare_decoder_gives_sdpas_hidden_states_at_every_position():
+    """A model without a head (AutoModel: its hidden states are the output, the caller's to pool) reads padding as
+    the caller does: every position's hidden state is SDPA's."""
+    reference, model = _models("AutoModel")
+    batch = _batch("right", LM)
+    del batch["labels"]
+    torch.testing.assert_close(model(**batch).last_hidden_state, reference(**batch).last_hidden_state, rtol=1e-12,
+                               atol=1e-12)
+
+
+def test_the_hooks_remover_takes_the_marks_off():
+    """`guard_registration` marks the decoder of a head of an architecture's own, and what it returns (the Trainer
+    integration's undo) takes the marks off with the hooks."""
+    from hf_sparse_cp.integration.registration import guard_registration
+
+    reference, _ = _models(QA, family="gpt2")
+    marked = lambda: [m for m in reference.modules() if "_hf_sparse_cp_head_reads_padding" in m.__dict__]  # noqa: E731
+    remove = guard_registration(reference)
+    assert marked()
+    remove()
+    assert not marked()
+
+
 @pytest.mark.parametrize("side", ["left", "none", "gap"])
 def test_an_answer_batch_not_ending_rows_in_padding_trains_as_sdpa(side):
     """Left padding, no padding, and padding between a row's tokens (a call that attends every key, its padding
