@@ -37,6 +37,10 @@ def _worker(rank: int, fn: Callable, world_size: int, workdir: str, timeout_s: f
     # processes would (what the preloaded packages read at their import stays the server's).
     os.environ.clear()
     os.environ.update(environ)
+    # A process torchrun starts has the platform's default start method; one the fork server starts is given the
+    # server's, under which a DataLoader's workers (dataloader_num_workers) waited for a fork server of the process's
+    # own: a fresh interpreter importing torch and the dataset's modules, 7 s of a CPU a loader.
+    mp.set_start_method(None, force=True)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{os.path.join(workdir, 'store')}", rank=rank, world_size=world_size,

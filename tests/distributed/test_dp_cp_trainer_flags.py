@@ -139,3 +139,21 @@ def test_even_batches_off_with_batches_the_ranks_cannot_share_is_refused_naming_
     failed on a mismatched gather (evaluation), as under stock DP 2: refused on every rank, naming the fix."""
     for rank in runs[1]:
         assert "even_batches=False" in rank[f"uneven {run}"] and "Drop it" in rank[f"uneven {run}"], rank
+
+
+def _start_method(rank: int, world: int) -> str:
+    import multiprocessing
+
+    return multiprocessing.get_start_method()
+
+
+def test_a_rank_starts_its_loader_workers_as_a_process_torchrun_starts():
+    """`run_gloo`'s ranks (forked by its fork server) had the server's start method, so the loader worker of
+    `dataloader_num_workers` waited for a fork server of the rank's own (a fresh interpreter importing torch: 7 s a
+    loader, most of these tests' time); a process torchrun starts has the platform's default, as the ranks have now."""
+    import subprocess
+    import sys
+
+    fresh = subprocess.run([sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert run_gloo(_start_method, 2) == [fresh, fresh]
