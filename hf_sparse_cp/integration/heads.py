@@ -149,6 +149,16 @@ def with_padding_rows(module: torch.nn.Module, kwargs: dict, batch: int, device:
     return {**kwargs, PADDING_ROWS_KWARG: torch.ones(batch, dtype=torch.bool, device=device)}
 
 
+def with_shard_padding_rows(module: torch.nn.Module, shard, batch: int, device: torch.device) -> None:
+    """`with_padding_rows` under CP: where the call of `module`, a layer of a model marked by `mark_padding_read`,
+    runs on a CP shard to which no pre-hook gave the rows (`pass_padding_rows_on`: a model without a head, AutoModel,
+    in a loop of its own over `prepare_context_parallel_inputs`), every row's padding queries attend as SDPA's
+    (`CPShard.padding_queries`), as in one process. Before, they got no attention under CP only: the hidden states
+    at padding positions 2.09 from SDPA's (tiny Llama, fp64, CP 2, every block kept), unsaid."""
+    if getattr(shard, "padding_rows", False) is None and module.__dict__.get(_READS_PADDING):  # (a CPShard)
+        shard.padding_rows = torch.ones(batch, dtype=torch.bool, device=device)
+
+
 def padding_rows_read(head: str, attention_mask: torch.Tensor, input_ids: torch.Tensor | None,
                       pad_token_id: int | None) -> torch.Tensor:
     """bool [B]: the rows of a batch with the 2D padding mask `attention_mask` [B, S] whose padding positions a head of

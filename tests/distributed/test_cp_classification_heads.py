@@ -313,3 +313,53 @@ def test_heads_reading_padding_under_cp2_give_sdpas_outputs_and_loss():
                 # (left padding sees no token under either, and SDPA's output there is no one's)
                 seen = real if side == "left" and PADDING_READS[name][0] == ANSWERS else slice(None)
                 torch.testing.assert_close(got[seen], expected[seen], rtol=1e-9, atol=1e-10)
+
+
+def _bare_decoder_hidden_states(rank: int, world: int) -> dict:
+    """A model without a head (AutoModel) in a loop of its own over `prepare_context_parallel_inputs`, every block
+    kept, fp64, under the ring and ulysses: by mode, the largest difference of its last hidden states (gathered over
+    the CP group) from SDPA's in one process, at the tokens and at the padding after the second row's tokens."""
+    import copy
+
+    import transformers
+
+    import hf_sparse_cp
+    from hf_sparse_cp import ContextParallelConfig, SparseAttentionConfig
+    from hf_sparse_cp.distributed import CP_SHARD_KWARG, ParallelDims, prepare_context_parallel_inputs
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    hf_sparse_cp.patch()
+    torch.manual_seed(0)
+    reference = transformers.AutoModel.from_config(tiny_config("llama"), attn_implementation="sdpa").double()
+    model = copy.deepcopy(reference)
+    pattern = SparseAttentionConfig(block_size=16, min_seq_len=0, sink_tokens=0, dense_first_layers=0,
+                                    vertical_topk=10**4, slash_topk=10**4)
+    hf_sparse_cp.configure(model, pattern)
+    ids = torch.randint(6, 250, (2, 128), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 50:] = 0
+    ids[mask == 0] = 0
+    want = reference(input_ids=ids, attention_mask=mask).last_hidden_state.detach()
+    results = {}
+    for mode in ("ring", "ulysses"):
+        parallel = ParallelDims.from_config(ContextParallelConfig(cp_size=world, cp_mode=mode))
+        inputs = prepare_context_parallel_inputs({"input_ids": ids, "attention_mask": mask}, parallel, block_size=16,
+                                                 sparse_config=pattern)
+        got = inputs[CP_SHARD_KWARG].whole_sequence(model(**inputs).last_hidden_state).detach()
+        off = (got - want).abs().amax(-1)
+        results[mode] = (float(off[mask.bool()].max()), float(off[~mask.bool()].max()))
+    return results
+
+
+def test_a_bare_decoder_under_cp2_gives_sdpas_hidden_states_at_padding():
+    """A model without a head (AutoModel: the caller pools its hidden states) gives SDPA's hidden states at every
+    position in one process (`heads.with_padding_rows`); under CP, in a loop of its own over
+    `prepare_context_parallel_inputs`, no pre-hook gives the shard the rows and its padding queries after a row's
+    tokens got no attention: those hidden states 2.09 from SDPA's, unsaid. Now every row's attend
+    (`heads.with_shard_padding_rows`), under the ring and ulysses, as in one process."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    for rank in run_gloo(_bare_decoder_hidden_states, 2, timeout_s=300):
+        for mode, (tokens, padding) in rank.items():
+            assert tokens < 1e-12 and padding < 1e-12, (mode, tokens, padding)
