@@ -20,8 +20,9 @@ share of the loss, trainer/cp_steps.py).
 A question-answering head's loss also reads the padding after a row's tokens, and so does a sequence-classification
 head whose pad_token_id is not the batch's padding: `pass_padding_rows_on` hands the attention calls the rows whose
 padding the head reads, whose padding queries then attend to the row's tokens as SDPA's (with or without CP, under
-every mode and sharding); so do every row's for a head of an architecture's own (one process: CP refuses such a head)
-and where a decoder layer does not hand the rows on (`with_padding_rows`). A language model's and a
+every mode and sharding); so do every row's for a head of an architecture's own (one process: CP refuses such a head),
+a model without a head (AutoModel; under CP too, in a loop of its own: `with_shard_padding_rows`) and where a decoder
+layer does not hand the rows on (`with_padding_rows`). A language model's and a
 token-classification head's padding queries get no attention (output 0, as flash_attention_2's): no loss reads them,
 and they cost nothing.
 """
