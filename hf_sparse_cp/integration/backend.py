@@ -62,7 +62,7 @@ from .call_tokens import (
 )
 from .compiled import traced_attention, traced_call, traced_setting
 from .forward_positions import with_forward_positions
-from .heads import PADDING_ROWS_KWARG, with_padding_rows, with_shard_padding_rows
+from .heads import PADDING_ROWS_KWARG, refuse_unpooled_head, with_padding_rows, with_shard_padding_rows
 from .layer_settings import configless_refusal, fresh_parsed_layer, layer_config
 from .stats import record_kept_fraction
 
@@ -174,6 +174,7 @@ def _call_outside_graphs(module, query, key, value, attention_mask, dropout, sca
         refused = positions_refusal(module, shard, kwargs)
         if refused:
             raise ValueError(refused)
+        refuse_unpooled_head(module)
         query = _row_scaled_queries(module, query, shard)
         with_shard_padding_rows(module, shard, query.shape[0], query.device)
     elif query.shape[2] == key.shape[2]:

@@ -101,15 +101,34 @@ def _whole_sequence(module: torch.nn.Module, args, output: torch.Tensor) -> torc
     return None if shard is None else shard.whole_sequence(output)
 
 
-def pool_over_cp_group(model: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:
+# Set on the modules of a model whose head `pool_over_cp_group` hooks (`refuse_unpooled_head` reads it).
+_POOLED = "_hf_sparse_cp_head_pooled_over_cp_group"
+
+
+class _PoolingHandle:
+    """What `pool_over_cp_group` returns: `remove()` takes its hook and its marks off."""
+
+    def __init__(self, model: torch.nn.Module, handle: torch.utils.hooks.RemovableHandle) -> None:
+        self.model, self.handle = model, handle
+
+    def remove(self) -> None:
+        self.handle.remove()
+        for module in self.model.modules():
+            module.__dict__.pop(_POOLED, None)
+
+
+def pool_over_cp_group(model: torch.nn.Module) -> _PoolingHandle:
     """Make the sequence-classification or question-answering head of `model` (`BATCH_OUTPUT_HEADS`) compute the
     batch's outputs on every rank of a forward under context parallelism (see the module docstring); outside one it is
-    untouched. Returns the hook's handle (remove it to undo); the hook is a module-level function: the model still
+    untouched. Returns the handle whose `remove()` undoes it; the hook is a module-level function: the model still
     pickles."""
     base, head = base_model(model), model_head(model)
     hook = (functools.partial(_pooled_at_every_position, base.config) if head == SEQUENCE_CLASSIFICATION
             else _whole_sequence)
-    return getattr(base, _HEAD_LAYERS[head]).register_forward_hook(hook)
+    handle = getattr(base, _HEAD_LAYERS[head]).register_forward_hook(hook)
+    for module in base.modules():
+        module.__dict__[_POOLED] = True
+    return _PoolingHandle(base, handle)
 
 
 # the heads whose loss or outputs may read a padding position (`pass_padding_rows_on`)
@@ -119,17 +138,18 @@ PADDING_READING_HEADS = (SEQUENCE_CLASSIFICATION, QUESTION_ANSWERING)
 # layers' keyword arguments (`pass_padding_rows_on`).
 PADDING_ROWS_KWARG = "sparse_cp_padding_rows"
 # Set on every module of the decoder of a model with such a head or a head `model_head` does not know
-# (`mark_padding_read`): its attention calls that come without the rows attend every row's padding queries
-# (`with_padding_rows`).
+# (`mark_padding_read`), to the head (`OWN_HEAD` for the latter): its attention calls that come without the rows
+# attend every row's padding queries (`with_padding_rows`).
 _READS_PADDING = "_hf_sparse_cp_head_reads_padding"
+OWN_HEAD = "a head of its architecture's own"
 
 
-def mark_padding_read(decoder: torch.nn.Module) -> None:
-    """Mark the modules of `decoder` (that of a model with a head of `PADDING_READING_HEADS`, or with a head of its
-    architecture's own, `model_head` None, whose reading of padding is not known) for `with_padding_rows`;
-    `unmark_padding_read` undoes it."""
+def mark_padding_read(decoder: torch.nn.Module, head: str | None) -> None:
+    """Mark the modules of `decoder` (that of a model with a `head` of `PADDING_READING_HEADS`, or with a head of its
+    architecture's own, `model_head` None, whose reading of padding is not known) for `with_padding_rows` and
+    `refuse_unpooled_head`; `unmark_padding_read` undoes it."""
     for module in decoder.modules():
-        module.__dict__[_READS_PADDING] = True
+        module.__dict__[_READS_PADDING] = head or OWN_HEAD
 
 
 def unmark_padding_read(decoder: torch.nn.Module) -> None:
@@ -148,6 +168,22 @@ def with_padding_rows(module: torch.nn.Module, kwargs: dict, batch: int, device:
     if kwargs.get(PADDING_ROWS_KWARG) is not None or not module.__dict__.get(_READS_PADDING):
         return kwargs
     return {**kwargs, PADDING_ROWS_KWARG: torch.ones(batch, dtype=torch.bool, device=device)}
+
+
+def refuse_unpooled_head(module: torch.nn.Module) -> None:
+    """Refuse a call of `module` on a CP shard where it is a layer of a model with a head of `BATCH_OUTPUT_HEADS`
+    (`mark_padding_read`) that is not pooled over the CP group (`pool_over_cp_group`, which the Trainer's CP steps
+    hook): in a loop of one's own over `prepare_context_parallel_inputs` each rank's pooled logits, or start and end
+    logits, were its shard's, not the row's (tiny Mistral, fp64, CP 2: rank 0's pooled logits 0.68 from SDPA's),
+    without a word."""
+    head = module.__dict__.get(_READS_PADDING)
+    if head in BATCH_OUTPUT_HEADS and not module.__dict__.get(_POOLED):
+        outputs = "pooled logits" if head == SEQUENCE_CLASSIFICATION else "start and end logits"
+        raise ValueError(
+            f"A model with a {head} head runs on a context-parallel shard outside the Trainer's CP steps (a loop of "
+            f"its own over prepare_context_parallel_inputs): its {outputs} and their loss would be each rank's "
+            "shard's, not the row's, as the Trainer's steps make them (they pool the head over the CP group). Train "
+            "it with transformers' Trainer and --cp_size, or without context parallelism.")
 
 
 def with_shard_padding_rows(module: torch.nn.Module, shard, batch: int, device: torch.device) -> None:

@@ -159,7 +159,7 @@ def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:
             handles.append(decoder.register_forward_pre_hook(functools.partial(pass_padding_rows_on, head),
                                                              with_kwargs=True))
         if head in PADDING_READING_HEADS or head is None:
-            mark_padding_read(decoder)
+            mark_padding_read(decoder, head)
     handles += hook_length_counted_tables(model)
     unslice_kv_sharing(model)
     model.__dict__[_GUARD] = True

@@ -363,3 +363,45 @@ def test_a_bare_decoder_under_cp2_gives_sdpas_hidden_states_at_padding():
     for rank in run_gloo(_bare_decoder_hidden_states, 2, timeout_s=300):
         for mode, (tokens, padding) in rank.items():
             assert tokens < 1e-12 and padding < 1e-12, (mode, tokens, padding)
+
+
+def _headed_model_in_a_loop_of_its_own(rank: int, world: int) -> dict:
+    """A question-answering and a sequence-classification model in a loop of their own over
+    `prepare_context_parallel_inputs` (no Trainer pooling their heads over the CP group): by head, the error of the
+    forward (None: it ran)."""
+    import transformers
+
+    import hf_sparse_cp
+    from hf_sparse_cp import ContextParallelConfig, SparseAttentionConfig
+    from hf_sparse_cp.distributed import ParallelDims, prepare_context_parallel_inputs
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    hf_sparse_cp.patch()
+    pattern = SparseAttentionConfig(block_size=16, min_seq_len=0)
+    parallel = ParallelDims.from_config(ContextParallelConfig(cp_size=world))
+    ids = torch.randint(6, 250, (2, 64), generator=torch.Generator().manual_seed(1))
+    errors = {}
+    for auto in ("AutoModelForQuestionAnswering", "AutoModelForSequenceClassification"):
+        model = getattr(transformers, auto).from_config(tiny_config("llama", num_labels=3, pad_token_id=0),
+                                                        attn_implementation="sdpa")
+        hf_sparse_cp.configure(model, pattern)
+        inputs = prepare_context_parallel_inputs({"input_ids": ids}, parallel, block_size=16, sparse_config=pattern)
+        try:
+            model(**inputs)
+            errors[auto] = None
+        except ValueError as e:
+            errors[auto] = str(e)
+    return errors
+
+
+def test_a_headed_model_in_a_loop_of_its_own_under_cp2_is_refused_naming_the_trainer():
+    """A question-answering or sequence-classification head under CP outside the Trainer's CP steps, which pool it over
+    the CP group: each rank's pooled (or start and end) logits were its shard's, not the row's (rank 0's pooled logits
+    0.68 from SDPA's), unsaid; now refused at the first attention call, naming the Trainer."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    for rank in run_gloo(_headed_model_in_a_loop_of_its_own, 2, timeout_s=300):
+        for auto, error in rank.items():
+            assert error is not None and "outside the Trainer's CP steps" in error, (auto, error)
+            assert "--cp_size" in error
