@@ -431,7 +431,6 @@ def padding_rows_once(meta: TokenMeta, rows: torch.Tensor | None) -> torch.Tenso
     such padding query runs as for a language model (a dense one on a library kernel). Read once per forward."""
     if rows is None:
         return None
-
     return _READ_ROWS.get((), (meta.segment, rows), lambda: rows if rows_pad_after_tokens(meta, rows) else None)
 
 

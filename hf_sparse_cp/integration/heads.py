@@ -42,6 +42,7 @@ from ..config import BACKEND_NAME
 from ..distributed.shard import CP_SHARD_KWARG
 from . import upstream
 from .call_context import cp_forward_shard
+from .call_tokens import PerForward
 
 LANGUAGE_MODEL, TOKEN_CLASSIFICATION = "language model", "token classification"
 SEQUENCE_CLASSIFICATION, QUESTION_ANSWERING = "sequence classification", "question answering"
@@ -167,7 +168,19 @@ def with_padding_rows(module: torch.nn.Module, kwargs: dict, batch: int, device:
     of the padding the rows would have spared."""
     if kwargs.get(PADDING_ROWS_KWARG) is not None or not module.__dict__.get(_READS_PADDING):
         return kwargs
-    return {**kwargs, PADDING_ROWS_KWARG: torch.ones(batch, dtype=torch.bool, device=device)}
+    return {**kwargs, PADDING_ROWS_KWARG: every_row(batch, device)}
+
+
+_EVERY_ROW = PerForward()
+
+
+def every_row(batch: int, device: torch.device) -> torch.Tensor:
+    """bool [batch], every row: one tensor per (batch, device) outside a trace, so that what the calls of a forward
+    read of it back to the host (`call_tokens.padding_rows_once`, keyed by the tensor) is read once per forward, not
+    once per layer."""
+    if torch.compiler.is_compiling():
+        return torch.ones(batch, dtype=torch.bool, device=device)
+    return _EVERY_ROW.get((batch, device), (), lambda: torch.ones(batch, dtype=torch.bool, device=device))
 
 
 def refuse_unpooled_head(module: torch.nn.Module) -> None:
@@ -193,7 +206,7 @@ def with_shard_padding_rows(module: torch.nn.Module, shard, batch: int, device: 
     (`CPShard.padding_queries`), as in one process. Before, they got no attention under CP only: the hidden states
     at padding positions 2.09 from SDPA's (tiny Llama, fp64, CP 2, every block kept), unsaid."""
     if getattr(shard, "padding_rows", False) is None and module.__dict__.get(_READS_PADDING):  # (a CPShard)
-        shard.padding_rows = torch.ones(batch, dtype=torch.bool, device=device)
+        shard.padding_rows = every_row(batch, device)
 
 
 def padding_rows_read(head: str, attention_mask: torch.Tensor, input_ids: torch.Tensor | None,

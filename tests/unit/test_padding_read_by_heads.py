@@ -23,6 +23,7 @@ from hf_sparse_cp.attention.build import with_padding_query_blocks
 from hf_sparse_cp.attention.layout import SparseLayout
 from hf_sparse_cp.attention.sequence import sequence_attention
 from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta, padding_queries_see_prior_tokens
+from hf_sparse_cp.integration import call_tokens as call_tokens_module
 from hf_sparse_cp.testing.tiny_models import tiny_config
 
 pytestmark = pytest.mark.usefixtures("patched")
@@ -118,6 +119,20 @@ def test_heads_of_an_architectures_own_and_layers_not_handing_the_rows_on_give_s
     reference, model = (m.eval() for m in _models(auto, pad_token_id=5, family=family))  # (GPT-2's, OPT's dropouts)
     batch = _batch("right", auto)
     _assert_sdpas(_outputs(model, batch), _outputs(reference, batch))
+
+
+def test_a_marked_models_layers_read_the_rows_padding_back_once_per_forward():
+    """The every-row tensor `with_padding_rows` hands a marked model's calls is one per forward, so what they read of
+    it back to the host is read once, not once per layer (before: a new tensor per call, a host read per layer)."""
+    _, model = (m.eval() for m in _models(QA, pad_token_id=5, family="gpt2"))
+    assert model.config.num_hidden_layers > 1
+    reads = []
+    real = call_tokens_module.rows_pad_after_tokens
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(call_tokens_module, "rows_pad_after_tokens", lambda *a: reads.append(1) or real(*a))
+        for _ in range(2):
+            model(**_batch("right", QA))
+    assert len(reads) == 2
 
 
 def test_a_bare_decoder_gives_sdpas_hidden_states_at_every_position():
