@@ -101,7 +101,7 @@ from hf_sparse_cp.attention.estimate import (
 from hf_sparse_cp.attention.layout import SparseLayout, compact_sorted
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.config import SparseAttentionConfig
-from hf_sparse_cp.distributed.split.documents import ATTENTION_RATE_SHARE
+from hf_sparse_cp.distributed.split.document_costs import ATTENTION_RATE_SHARE
 from hf_sparse_cp.env import environment
 from hf_sparse_cp.testing.allocations import AllocationRecorder
 from hf_sparse_cp.testing.benchmarking import (

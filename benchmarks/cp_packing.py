@@ -49,7 +49,9 @@ from hf_sparse_cp.attention.build import dense_layout
 from hf_sparse_cp.attention.tokens import TokenMeta
 from hf_sparse_cp.distributed.cp_config import PlannerCosts
 from hf_sparse_cp.distributed.split.blocks import ShardPlan
-from hf_sparse_cp.distributed.split.documents import kept_blocks_per_row, plan_documents, row_runs, split_every_document
+from hf_sparse_cp.distributed.split.document_costs import kept_blocks_per_row
+from hf_sparse_cp.distributed.split.document_runs import row_runs
+from hf_sparse_cp.distributed.split.documents import plan_documents, split_every_document
 from hf_sparse_cp.simulator.traffic import ring_cost
 from hf_sparse_cp.simulator.workloads import MIXES, document_scores, mix_lengths, packed_layout, row_meta
 

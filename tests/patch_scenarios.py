@@ -290,7 +290,7 @@ def capturing_layouts() -> Iterator:
 
 
 def launch() -> Iterator:
-    from hf_sparse_cp.integration.compat import argument_parser_classes
+    from hf_sparse_cp.integration.compat_checks import argument_parser_classes
     from hf_sparse_cp.launch.launched import launched
     from hf_sparse_cp.trainer.plugin_arguments import PluginArguments
 

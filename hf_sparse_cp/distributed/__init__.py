@@ -18,8 +18,9 @@ interface (`base.CPMode`: its checks, head-group size, split, attention, descrip
 
 The features the modes are made of:
 * `split/`: how a sequence splits over a CP group: `blocks.py` (`BlockSplit`, `ShardPlan`: striped, zigzag,
-  contiguous; `NestedSplit`: pieces for head groups), `documents.py` (`DocumentPlan`, the document-aware split
-  of a packed row);
+  contiguous; `NestedSplit`: pieces for head groups), `documents.py` (the document-aware split of a packed row:
+  its planner; its cost model in `document_costs.py`, its placements in `document_placement.py`, its result,
+  `DocumentPlan`, in `document_plan.py`, the runs it places in `document_runs.py`);
 * `ring/`: the balanced sparse ring: `estimation.py` (the global layout from every rank's shard), `plan.py`
   (`RingPlan`: what each rank computes, sends and receives), `attention.py` (`ring_sparse_attention`);
 * `heads/`: head parallelism (Ulysses) and its hybrid with the ring: `split.py` (`HeadSplit`: which heads a

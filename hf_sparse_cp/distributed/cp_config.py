@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 from ..config.files import KnownKeywords, check_field_types, checks_unread_fields, setting
 from ..config.registries import Variants
 from .modes import CPMode, cp_mode_named, cp_modes
-from .split.documents import ATTENTION_RATE_SHARE, PlannerCosts
+from .split.document_costs import ATTENTION_RATE_SHARE, PlannerCosts
 
 CP_MODES = tuple(mode.name for mode in cp_modes())  # (the built-in ones: its Literal)
 # What `cp_mode` takes (its flag too): any registered mode.

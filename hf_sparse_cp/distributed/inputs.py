@@ -22,7 +22,8 @@ from .comm import all_reduce
 from .modes import RING
 from .shard import CP_SHARD_KWARG, CPShard
 from .split.blocks import check_per_token_shapes, sequence_meta, shard_inputs, shift_labels
-from .split.documents import PlannerCosts, idle_documents_as_padding
+from .split.document_costs import PlannerCosts
+from .split.document_runs import idle_documents_as_padding
 
 if TYPE_CHECKING:
     from .mesh import ParallelDims
@@ -117,8 +118,8 @@ def batch_fingerprint(x: torch.Tensor) -> torch.Tensor:
 def planned_meta(inputs: Mapping[str, Any], meta: TokenMeta, sharding: str, pad_token_id: int, ignore_index: int
                  ) -> TokenMeta:
     """The documents the split is planned from: for the document planner, the batch's `meta` with its documents of
-    padding tokens without targets marked idle, padding to the planner (`documents.idle_documents_as_padding`, on the
-    host), where the batch has the input_ids and the labels of every position to tell; else `meta`."""
+    padding tokens without targets marked idle, padding to the planner (`document_runs.idle_documents_as_padding`,
+    on the host), where the batch has the input_ids and the labels of every position to tell; else `meta`."""
     if sharding != "document":
         return meta
     ids, labels, shifted = inputs.get("input_ids"), inputs.get("labels"), inputs.get("shift_labels")

@@ -7,7 +7,7 @@ sequence's order and pads only at the end, so its global layout is the one-proce
 computes what one process computes on the same row, and counts the same.
 
 The document planner re-orders a packed row (its runs in an order of its own, padding between them), keeping
-every sparse document's offset inside a block (`documents.sparse_leads`), so it computes what one process computes
+every sparse document's offset inside a block (`document_plan.sparse_leads`), so it computes what one process computes
 on the row too; its layout's blocks are not the row's, though (a block the row shares between two documents is two
 blocks of the plan). Its count is taken on the row: the call's kept tokens moved back to their positions in the
 row and laid out there, as one process lays them out (`layout_from_kept`).

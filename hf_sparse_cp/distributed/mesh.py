@@ -39,7 +39,7 @@ from ..launch_env import in_launched_group, launched_world_size
 from .comm import RingTopology, group_timeout, naming_unresponsive_ranks, warm_up
 
 if TYPE_CHECKING:
-    from .split.documents import PlannerCosts
+    from .split.document_costs import PlannerCosts
 
 logger = logging.getLogger(__name__)
 

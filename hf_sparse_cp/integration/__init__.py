@@ -24,8 +24,9 @@ calls through them (`upstream.py`).
 * `given.py`: the public entry points' first argument checked for its type (a TypeError naming what to pass);
 * `patching.py`: `PatchSet`, the recorder every change to someone else's object goes through;
 * `compat.py`: every private transformers / accelerate / torch / Triton member we use, and every
-  replacement we make, with why, the tested versions and the undo; `upstream.py`: the calls that use those members,
-  each checked first; `trainer_losses.py`: the Trainer and TRL losses CP reproduces, by how;
+  replacement we make, with why, the tested versions and the undo; `compat_checks.py`: that table read against what
+  is installed (each member present as used, the entry that allows a change); `upstream.py`: the calls that use those
+  members, each checked first; `trainer_losses.py`: the Trainer and TRL losses CP reproduces, by how;
   `fsdp_class_names.py`: a model's class past FSDP2's renaming, for upstream checks by class name.
 
 The Trainer glue lives in `hf_sparse_cp.trainer`, reporting in `hf_sparse_cp.reporting`; the public

@@ -22,7 +22,7 @@ import inspect
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
-from .compat import replacement_for
+from .compat_checks import replacement_for
 
 
 class _Absent(enum.Enum):

@@ -2,7 +2,7 @@
 
 The planner (`distributed/split/documents.py`) balances each rank's attention work plus `linear_per_token`
 times its tokens, both in attention token pairs (one query against one key: 4 x heads x head_dim FLOPs
-forward), the linear work in time (`documents.linear_weight`). It grows with the model's width: about 4,600
+forward), the linear work in time (`document_costs.linear_weight`). It grows with the model's width: about 4,600
 pairs for Qwen2.5-0.5B, 14,100 for Qwen2.5-7B. One fixed weight misplaces tokens for other sizes (the former 9,000:
 on long-tail 256K rows at CP 8-32, the busiest rank 1.052x the mean for Qwen2.5-7B and 1.060x for 0.5B, against
 1.017x and 1.032x with their own weights), so it is counted from the model unless `--cp_planner_linear_per_token`
@@ -16,7 +16,7 @@ import logging
 import torch
 
 from ..config.model_fields import EXPERT_COUNTS, decoder_layers, language_config
-from ..distributed.split.documents import linear_weight
+from ..distributed.split.document_costs import linear_weight
 
 logger = logging.getLogger(__name__)
 

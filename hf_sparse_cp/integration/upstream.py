@@ -1,5 +1,5 @@
 """The calls through which the plugin uses upstream members that are private or differ between releases: each checks
-its member first (`compat.require`, which names the member, the versions and the fix) and reads it the way this
+its member first (`compat_checks.require`, which names the member, the versions and the fix) and reads it the way this
 release has it. The members and why the plugin needs them are listed in `compat.PATCHES`."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from .architectures import transformers_release
-from .compat import ORDERED_EFFECTS_SINCE, member_name, release, require, versions
+from .compat import ORDERED_EFFECTS_SINCE
+from .compat_checks import member_name, release, require, versions
 
 
 def token_count_divides_by_get_cp_size() -> bool:

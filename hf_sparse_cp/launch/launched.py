@@ -40,7 +40,7 @@ from transformers import Trainer, TrainingArguments
 
 from ..config import BACKEND_NAME
 from ..config.files import did_you_mean
-from ..integration import compat, upstream
+from ..integration import compat_checks, upstream
 from ..integration.interfaces import is_patched, patch, unpatch
 from ..integration.patching import PatchSet, record_on
 from ..trainer.arguments import explicit_fields, flag_errors, is_flag_error
@@ -313,7 +313,7 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
         if not is_patched():  # a script loads its model before its Trainer (TRL's with --attn_implementation sparse_cp)
             patch()
             patches.on_undo(unpatch)
-        for parser_class in compat.argument_parser_classes():
+        for parser_class in compat_checks.argument_parser_classes():
             extend(parser_class)
         patches.set_attr(Trainer, "__init__", init_trainer)
         yield run

@@ -28,7 +28,7 @@ from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
 from ..distributed.comm import rank_and_world
-from ..integration import compat
+from ..integration import compat, compat_checks
 from ..integration.patching import PatchSet
 from .boxes import TargetLayout
 from .checkpoint import LAYOUT_FILE, load_sharded_state, save_sharded_state
@@ -69,7 +69,7 @@ def sharded_saving(trainer: Trainer, patches: PatchSet) -> None:
     """Under FSDP2, `trainer`'s checkpoints hold the model and optimizer state as each rank holds it
     instead of accelerate's gathered copies (see the module docstring); recorded in `patches`."""
     name = compat.TRAINER_SAVE_OPTIMIZER
-    compat.require(f"transformers.Trainer.{name}")
+    compat_checks.require(f"transformers.Trainer.{name}")
     original = getattr(trainer, name)
 
     def save(output_dir: str) -> None:
@@ -140,7 +140,7 @@ def resharded_loading(trainer: Trainer) -> Iterator[None]:
     transformers offers no public hook for how a resume loads the model and optimizer (callbacks run
     after both are loaded)."""
     for name in (compat.TRAINER_LOAD_MODEL, compat.TRAINER_LOAD_OPTIMIZER):
-        compat.require(f"transformers.Trainer.{name}")
+        compat_checks.require(f"transformers.Trainer.{name}")
 
     def load_model(resume_from_checkpoint, model=None):
         pass  # the model is loaded with the optimizer, from the same sharded state

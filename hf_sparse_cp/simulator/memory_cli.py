@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..config import SparseAttentionConfig
 from ..config.model_fields import LEAN_LOSS_FAMILIES
-from ..distributed.split.documents import PlannerCosts
+from ..distributed.split.document_costs import PlannerCosts
 from ..memory.savers import TILING_MIN_LENGTH, MemorySavers, from_min_length
 from ..recipes import pattern_path
 from .arguments import (

@@ -34,7 +34,8 @@ from ..attention.layout import SparseLayout
 from ..distributed.comm import RingTopology
 from ..distributed.ring.plan import check_global_layout
 from ..distributed.split.blocks import BlockSplit, ShardPlan
-from ..distributed.split.documents import PlannerCosts, plan_documents
+from ..distributed.split.document_costs import PlannerCosts
+from ..distributed.split.documents import plan_documents
 from .traffic import COLUMNS, PlanTraffic
 
 
@@ -244,7 +245,7 @@ class RingSetup:
 class Workload:
     """One row to simulate: its runs (documents and padding, in row order) and its layouts.
 
-    lengths, kinds: the runs' tokens and kinds ('sparse', 'dense', 'pad'; `split.documents.row_runs`);
+    lengths, kinds: the runs' tokens and kinds ('sparse', 'dense', 'pad'; `split.document_runs.row_runs`);
     layout(kind, plan, window=None): the global layout of `kind` ('dense': causal within documents, and within
     a sliding `window` of tokens where one is given; or 'sparse') over `plan`'s padded sequence, in `plan`'s
     global order;

@@ -53,7 +53,8 @@ from ..backends import PLOT_EXTRA, require_matplotlib
 from ..config import SparseAttentionConfig
 from ..distributed.heads.split import HeadSplit
 from ..distributed.modes import CPMode
-from ..distributed.split.documents import PlannerCosts, kept_blocks_per_row, linear_weight, row_runs
+from ..distributed.split.document_costs import PlannerCosts, kept_blocks_per_row, linear_weight
+from ..distributed.split.document_runs import row_runs
 from ..env import environment
 from .arguments import (
     CHECKPOINTING_ALIAS,

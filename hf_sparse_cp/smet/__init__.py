@@ -10,7 +10,8 @@
   hashed random numbers;
 * `rounding.py`: the density as whole blocks per row, and the warning when they move it far;
 * `topology.py`: which blocks start active, are pruned and are regrown;
-* `optimizer.py`: `SMETAdam`, the compact optimizer state and the cold-start cure of regrown blocks;
+* `optimizer.py`: `SMETAdam`, the compact optimizer state and the cold-start cure of regrown blocks: its update in
+  `adam.py`, its state saved and loaded (with the checks loading makes) in `checkpoint.py`;
 * `factory.py`: `create_smet_optimizer` from a stock optimizer class and a model;
 * `dtensor.py`: local-shard views of FSDP2 DTensor parameters and states.
 

@@ -9,7 +9,8 @@ step counter per block. Every `update_interval` steps it prunes and regrows bloc
 Regrown blocks would otherwise start "cold": zero moments under a global step t make the first
 update (1 - b1) / sqrt(1 - b2) ~ 3.16 times a normal one. SMET resets a per-block step counter on
 regrowth (local bias correction), ramps the regrown blocks' step size up over
-`regrow_warmup_steps`, and scales the sparse matrices' learning rate with the density.
+`regrow_warmup_steps`, and scales the sparse matrices' learning rate with the density (the update itself:
+`adam.py`; the state as a checkpoint holds it, and the checks loading one makes: `checkpoint.py`).
 
 Every rank holding a copy of a sparse row must take the same topology decisions, or the copies drift
 apart, and every parallel layout must take the decisions one process takes on the whole batch. Pruning
@@ -20,7 +21,6 @@ reduced gradient, as one process would see it (`_regrowth_scores`).
 from __future__ import annotations
 
 import logging
-import math
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -30,21 +30,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .adam import DENSE_STATE, dense_step, sparse_step
+from .checkpoint import (
+    REPLACED_KEY,
+    STATE_FIELDS,
+    as_saved,
+    check_names,
+    check_saved_groups,
+    check_settings,
+    loaded_state,
+)
 from .config import SMETConfig
-from .dtensor import like_param, local, local_rows_of
+from .dtensor import local
 from .masks import BlockGrid
 from .modes.base import checked_scores
 from .topology import initial_blocks, prune_rate, prune_slots, regrow
 
 logger = logging.getLogger(__name__)
-
-DENSE_STATE = ("exp_avg", "exp_avg_sq")
-# The SMETConfig fields that fix the shape and meaning of the sparse state: `state_dict` records them
-# in its SMET parameter groups as `smet_<field>`, and loading refuses a checkpoint where they differ.
-STATE_FIELDS = ("mode", "density", "block_size")
-# Where `state_dict` keeps `last_replaced_fraction` (in its SMET groups), so that a resumed run logs what the
-# uninterrupted one logs until its next topology update.
-REPLACED_KEY = "smet_last_replaced_fraction"
 
 
 class SMETAdam(torch.optim.Optimizer):
@@ -264,11 +266,11 @@ class SMETAdam(torch.optim.Optimizer):
             state = self.state[param]
             state["step"] += 1
             if not group["smet"]:
-                self._dense_step(param, group, state)
+                dense_step(param, group, state, self.decoupled_weight_decay)
                 continue
             grid = self._grid(param)
             step = int(state["step"].item())
-            self._sparse_step(param, group, state, grid)
+            sparse_step(param, group, state, grid, self.config, self.decoupled_weight_decay)
             if step % self.config.update_interval == 0 and grid.k < grid.blocks_per_row:
                 replaced += self._update_topology(param, key, state, grid, step, scores.get(id(param)))
                 active += grid.rows * grid.k
@@ -318,61 +320,6 @@ class SMETAdam(torch.optim.Optimizer):
             scores[key] = grid.block_l1(grid.blocks(local(param.grad)) if held is None else held)
         return scores
 
-    def _dense_step(self, param: torch.Tensor, group: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
-        lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        weights, grad = local(param), local(param.grad)
-        if decay and not self.decoupled_weight_decay:
-            grad = grad.add(weights, alpha=decay)
-        if decay and self.decoupled_weight_decay:
-            weights.mul_(1 - lr * decay)
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        step = state["step"].item()
-        bias_correction1 = 1 - beta1**step
-        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
-        weights.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-
-    def _sparse_step(
-        self, param: torch.Tensor, group: dict[str, Any], state: dict[str, torch.Tensor], grid: BlockGrid
-    ) -> None:
-        cfg = self.config
-        lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        lr = lr * cfg.lr_scale_at(grid.density)  # (the density this weight trains at: whole blocks per row)
-        weights, index = local(param), state["block_index"]
-        compute = torch.promote_types(param.dtype, torch.float32)
-        old = grid.gather(weights, index).to(compute)
-        grad = grid.gather(local(param.grad), index).to(compute)
-        if decay and not self.decoupled_weight_decay:
-            grad = grad.add(old, alpha=decay)
-
-        block_step = state["block_step"]
-        block_step.add_(1)
-        step = state["step"].item()
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.lerp_(grad.to(exp_avg.dtype), 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad.to(exp_avg_sq.dtype), grad.to(exp_avg_sq.dtype), value=1 - beta2)
-
-        local_step = block_step.to(compute).unsqueeze(-1)
-        if cfg.local_bias_correction:
-            bias_correction1 = _bias_correction(beta1, local_step)
-            bias_correction2 = _bias_correction(beta2, local_step)
-        else:
-            bias_correction1 = 1 - beta1**step
-            bias_correction2 = 1 - beta2**step
-        update = (exp_avg.to(compute) / bias_correction1) / (
-            (exp_avg_sq.to(compute) / bias_correction2).sqrt_().add_(eps)
-        )
-        step_size: torch.Tensor | float = lr
-        if cfg.regrow_warmup_steps:
-            # Blocks active since the start share the global step; regrown ones lag behind it.
-            regrown = (block_step < step).unsqueeze(-1)
-            ramp = (local_step / cfg.regrow_warmup_steps).clamp_(max=1.0)
-            step_size = lr * torch.where(regrown, ramp, torch.ones_like(ramp))
-        new = old * (1 - step_size * decay) if decay and self.decoupled_weight_decay else old
-        new = new - step_size * update
-        cfg.registered_mode.record_update(state, old, new)
-        grid.scatter_(weights, index, new.to(weights.dtype))
 
     @torch.no_grad()
     def _update_topology(
@@ -430,7 +377,7 @@ class SMETAdam(torch.optim.Optimizer):
             saved = self.state.get(param)
             if saved:
                 grid = self._grid(param) if group["smet"] else None
-                state[positions[id(param)]] = {name: _export(param, value, grid) for name, value in saved.items()}
+                state[positions[id(param)]] = {name: as_saved(param, value, grid) for name, value in saved.items()}
         return {"state": state, "param_groups": groups}
 
     @torch.no_grad()
@@ -438,32 +385,12 @@ class SMETAdam(torch.optim.Optimizer):
         """Restore a `state_dict()` (also one whose tensors are DTensors, full tensors of a sharded
         parameter, or keyed by parameter names as `torch.distributed.checkpoint.state_dict` gives)."""
         saved_groups = state_dict["param_groups"]
-        if not any("smet" in saved for saved in saved_groups):
-            # (a stock optimizer's state: its groups would be refused below as grouped otherwise, naming a wrong fix)
-            raise ValueError(
-                "The checkpoint's optimizer state was not saved by SMET (its parameter groups carry no 'smet' flag: "
-                "another optimizer saved it, e.g. torch's AdamW in a run without --smet), so it has no SMET masks "
-                "or compact moments: resume that checkpoint without --smet, or start SMET from its weights without "
-                "its optimizer state (load the model from the checkpoint folder, not resume_from_checkpoint)."
-            )
-        if len(saved_groups) != len(self.param_groups) or any(
-            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
-        ):
-            targets = _saved_targets(saved_groups)
-            differ = targets and targets != _saved_targets(self.param_groups)  # (else: the same targets, another model)
-            raise ValueError(
-                "The saved optimizer has a different parameter grouping "
-                f"({[len(s['params']) for s in saved_groups]} vs "
-                f"{[len(g['params']) for g in self.param_groups]} parameters per group); build the optimizer "
-                "the same way (same model, same target_modules" + (
-                    f": the checkpoint's sparse weights are {targets}, e.g. --smet_target_modules {','.join(targets)}"
-                    if differ else "") + ") before loading."
-            )
+        check_saved_groups(saved_groups, self.param_groups)
         settings = self._settings()
         for saved, group in zip(saved_groups, self.param_groups):
             if group["smet"]:
-                self._check_settings(saved, settings)
-        _check_names(saved_groups, self.param_groups)
+                check_settings(saved, settings)
+        check_names(saved_groups, self.param_groups)
         by_saved_id = {}
         for saved, group in zip(saved_groups, self.param_groups):
             by_saved_id.update(zip(saved["params"], group["params"]))
@@ -474,67 +401,13 @@ class SMETAdam(torch.optim.Optimizer):
         sparse = {id(p) for _, g, p, _ in self._named_params() if g["smet"]}
         for saved_id, saved in state_dict["state"].items():
             param = by_saved_id[saved_id]
-            new_state[param] = self._import_state(param, saved, id(param) in sparse)
+            grid = self._grid(param) if id(param) in sparse else None
+            slots = self.config.registered_mode.slot_state if grid is not None else {}
+            new_state[param] = loaded_state(param, saved, grid, slots)
         self.state = new_state
 
     def _settings(self) -> dict[str, Any]:
         return {f"smet_{name}": getattr(self.config, name) for name in STATE_FIELDS}
-
-    def _check_settings(self, saved_group: dict[str, Any], settings: dict[str, Any]) -> None:
-        """Refuse a saved SMET group whose recorded mode, density or block size differ from ours: its
-        masks and compact moments would not fit (or, broadcast into our shapes, silently be wrong)."""
-        differ = [
-            f"{key.removeprefix('smet_')}={saved_group[key]!r} (this run: {value!r})"
-            for key, value in settings.items()
-            if key in saved_group and saved_group[key] != value
-        ]
-        if differ:
-            raise ValueError(
-                f"The checkpoint's SMET optimizer state was saved with {', '.join(differ)}; resume with the same "
-                "SMET settings (e.g. the same --smet_density and --smet_block_size), or start a new run from the "
-                "saved model without its optimizer state."
-            )
-
-    def _import_state(self, param: torch.Tensor, saved: dict[str, Any], sparse: bool) -> dict[str, torch.Tensor]:
-        shard = local(param)
-        if sparse:
-            grid = self._grid(param)
-            # (as saved: a stack's per-row states `[slices, rows per slice, ...]`, see `_export`)
-            rows = (grid.slices, grid.slice_rows) if grid.stacked else (grid.rows,)
-            block_shape = (*rows, grid.k, grid.block_size)
-            expected = {
-                "exp_avg": (block_shape, param.dtype),
-                "exp_avg_sq": (block_shape, param.dtype),
-                "block_index": (block_shape[:-1], grid.index_dtype),
-                "block_step": (block_shape[:-1], torch.int32),
-            }
-            expected.update({name: (block_shape[:-1], dtype)
-                             for name, dtype in self.config.registered_mode.slot_state.items()})
-        else:
-            expected = {name: (tuple(shard.shape), param.dtype) for name in DENSE_STATE}
-        missing = set(expected) - set(saved)
-        if missing:
-            raise ValueError(
-                f"Saved optimizer state lacks {sorted(missing)} for a {'sparse' if sparse else 'dense'} parameter; "
-                "it was saved with another optimizer or SMET mode."
-            )
-        state = {"step": torch.as_tensor(float(saved["step"]), dtype=torch.float32)}
-        for name, (shape, dtype) in expected.items():
-            value = local_rows_of(param, saved[name])
-            if tuple(value.shape) != tuple(shape):
-                raise ValueError(
-                    f"Saved SMET state {name!r} has local shape {tuple(value.shape)}, expected {tuple(shape)}: the "
-                    "checkpoint was written for weights of other shapes, or with another density or block_size; "
-                    "resume with the same model and SMET config."
-                )
-            state[name] = value.to(device=shard.device, dtype=dtype)
-            if sparse and grid.stacked:
-                state[name] = state[name].reshape(grid.rows, *shape[2:])
-        if sparse and state["block_index"].numel():
-            index = state["block_index"]
-            if int(index.min()) < 0 or int(index.max()) >= grid.blocks_per_row:
-                raise ValueError("Saved SMET block index is out of range for this parameter; wrong checkpoint?")
-        return state
 
     # ---- reporting ----
 
@@ -556,60 +429,6 @@ class SMETAdam(torch.optim.Optimizer):
         return active / total if total else 1.0
 
 
-# Module names that wrappers insert in parameter names (torch.compile, FSDP1, activation checkpointing): a
-# checkpoint saved with one of them names the same weights.
-_WRAPPER_NAMES = {"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
-
-
-def _same_weight(saved: str, current: str) -> bool:
-    """Whether two parameter names name the same weight of a model, one perhaps wrapped (`_WRAPPER_NAMES`, a
-    leading `module.` of DDP, a prefix such as PEFT's `base_model.model.`)."""
-    def plain(name: str) -> str:
-        parts = [part for part in name.split(".") if part not in _WRAPPER_NAMES]
-        return ".".join(parts[1:] if parts[:1] == ["module"] else parts)
-
-    a, b = plain(saved), plain(current)
-    return a == b or a.endswith(f".{b}") or b.endswith(f".{a}")
-
-
-def _check_names(saved_groups: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
-    """Refuse a saved state whose groups list other weights than ours where both record their names: weights of
-    one shape (q_proj and o_proj of multi-head attention) would take each other's masks and moments unnoticed
-    (a checkpoint saved with other target_modules)."""
-    for saved, group in zip(saved_groups, groups):
-        if not saved.get("param_names") or not group.get("param_names"):
-            continue
-        for old, new in zip(saved["param_names"], group["param_names"]):
-            if not _same_weight(old, new):
-                targets = _saved_targets(saved_groups)
-                raise ValueError(
-                    f"The checkpoint's optimizer state was saved for {old} where this run has {new} "
-                    f"({'sparse' if group['smet'] else 'dense'} parameters): resume with the same target_modules "
-                    f"(the checkpoint's sparse weights: {targets}), e.g. --smet_target_modules {','.join(targets)}, "
-                    "or start a new run from the saved model without its optimizer state."
-                )
-
-
-def _saved_targets(groups: list[dict[str, Any]]) -> list[str]:
-    """The target names of the sparse weights that SMET `groups` (a saved state's, an optimizer's) list by name (empty
-    where unnamed): a module's name for its `.weight`, a fused experts stack's own (`gate_up_proj`)."""
-    return sorted({parts[-2] if parts[-1] == "weight" else parts[-1] for g in groups if g.get("smet")
-                   for parts in [n.split(".") for n in g.get("param_names") or ()] if len(parts) > 1})
-
-
-def _export(param: torch.Tensor, value: torch.Tensor, grid: BlockGrid | None) -> torch.Tensor:
-    """A state tensor as saved: laid out like `param` (`like_param`); a sparse stack's (`grid.stacked`) per-row
-    states `[slices, rows per slice, ...]`, so that they shard as the stack does, by whole slices."""
-    if value.dim() == 0:
-        return value
-    if value.dtype == torch.int16:
-        # Collectives (gloo, NCCL) have no int16: checkpoints carry the block index as int32.
-        value = value.to(torch.int32)
-    if grid is not None and grid.stacked:
-        value = grid.per_slice(value)
-    return like_param(param, value)
-
-
 def _ranks() -> int:
     """Processes of the default process group (1 without one). (smet sits below `distributed` in the layers, whose
     `comm.rank_and_world` says the same.)"""
@@ -625,14 +444,6 @@ def _mean_over_ranks(tensors: list[torch.Tensor]) -> None:
         work.wait()
     for t in tensors:
         t.div_(dist.get_world_size())
-
-
-def _bias_correction(beta: float, steps: torch.Tensor) -> torch.Tensor:
-    """`1 - beta**steps` to the precision of `steps`' dtype: as `-expm1(steps * ln beta)`, since in float32
-    `1 - beta**t` cancels away the digits that matter (beta2=0.999: the step size 7e-6 off Adam's, 0.99999: 7e-4)."""
-    if beta == 0:
-        return torch.ones_like(steps)
-    return -torch.expm1(steps * math.log(beta))
 
 
 def _grad_hook(optimizer: SMETAdam):

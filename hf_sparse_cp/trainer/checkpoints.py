@@ -44,7 +44,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoint_marker import MARKER, newest_complete_checkpoint, read_marker
 from ..distributed import ParallelDims
-from ..integration import compat
+from ..integration import compat, compat_checks
 from ..integration.architectures import transformers_release
 from ..integration.patching import PatchSet, temporarily
 from ..resharding.resume import SHARDED_STATE, has_sharded_state, resharded_loading, runs_fsdp2, sharded_saving
@@ -421,7 +421,7 @@ def first_rank_rng_loading(trainer: Trainer) -> Iterator[None]:
     then resumed with the generators as the run's start left them, and a collator's crops or NEFTune's noise went on
     otherwise than the uninterrupted run's (#50). The first process's is every CP rank's (each step's batches start
     from the CP group's first rank's, `follow_first_ranks_generators`), and one process's."""
-    compat.require(f"transformers.Trainer.{compat.TRAINER_LOAD_RNG}")
+    compat_checks.require(f"transformers.Trainer.{compat.TRAINER_LOAD_RNG}")
     load = getattr(trainer, compat.TRAINER_LOAD_RNG)
 
     def load_first_ranks(checkpoint):

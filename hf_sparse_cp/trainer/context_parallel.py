@@ -25,7 +25,7 @@ from typing import Any
 from transformers import Trainer
 
 from ..distributed import ContextParallelConfig, ParallelDims
-from ..integration import compat
+from ..integration import compat, compat_checks
 from ..integration.call_context import guard_context_parallel
 from ..integration.given import require_instance, require_trainer
 from ..integration.heads import SEQUENCE_CLASSIFICATION, model_head
@@ -100,7 +100,7 @@ def enable_trainer_context_parallel(
         check_loss(trainer, parallel.cp_size, parallel)
         check_training_arguments(trainer.args, parallel.cp_size)
     warn_inexact(trainer)
-    compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
+    compat_checks.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     sparse_config = model_config_for(model)
     pad_id = pad_token_id(trainer, model)
     patches = record_on(trainer, _FEATURE)
@@ -120,7 +120,7 @@ def enable_trainer_context_parallel(
     if owns_cp:
         # accelerate's CP model preparation hooks every attention layer to drop its mask for SDPA's
         # `is_causal` (and refuses sliding-window models); the sparse ring reads the CPShard instead
-        compat.require(f"accelerate.Accelerator.{compat.ACCELERATOR_PREPARE_CP}")
+        compat_checks.require(f"accelerate.Accelerator.{compat.ACCELERATOR_PREPARE_CP}")
         patches.set_attr(trainer.accelerator, compat.ACCELERATOR_PREPARE_CP, lambda *args: args)
     # (under accelerate's CP group too: its loaders shard a map-style dataset over the DP ranks, but dispatch an
     # iterable one's batches over all processes, and seed their workers by the process index)

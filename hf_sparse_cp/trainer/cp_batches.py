@@ -18,7 +18,7 @@ from transformers import Trainer
 from ..config import SparseAttentionConfig
 from ..distributed import ParallelDims, prepare_context_parallel_inputs
 from ..distributed.comm import naming_unresponsive_ranks
-from ..integration import compat, upstream
+from ..integration import compat_checks, upstream
 from ..integration.composite import tower_names
 from .arguments import flag_errors
 from .stream_rows import count_stream, read_whole_stream
@@ -124,8 +124,8 @@ def follow_first_ranks_generators(trainer: Trainer, patches, parallel: Callable[
     (`get_batch_samples`; `evaluation_loop`'s every draw from its loader, as a callback's `on_prediction_step` may draw
     between them): every rank alike; a loader's workers are seeded on their own (`upstream.seed_workers_by`).
     `parallel()` is the CP layout of the step in progress."""
-    compat.require("transformers.Trainer.get_batch_samples")
-    compat.require("transformers.Trainer.evaluation_loop")
+    compat_checks.require("transformers.Trainer.get_batch_samples")
+    compat_checks.require("transformers.Trainer.evaluation_loop")
     get_batch_samples, evaluation_loop = trainer.get_batch_samples, trainer.evaluation_loop
 
     def follow() -> None:

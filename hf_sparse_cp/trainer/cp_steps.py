@@ -17,7 +17,7 @@ from transformers.trainer_pt_utils import find_batch_size
 
 from ..distributed import CP_SHARD_KWARG, CPShard, ParallelDims, global_num_items
 from ..distributed.comm import all_reduce
-from ..integration import compat, trainer_losses, upstream
+from ..integration import compat, compat_checks, trainer_losses, upstream
 from ..integration.call_context import cp_forwards_begun
 from ..integration.heads import BATCH_OUTPUT_HEADS, model_head, pool_over_cp_group
 from ..integration.patching import temporarily
@@ -55,7 +55,7 @@ def count_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], Pa
         # total batch size and `num_items_in_batch` (the loss's token count) divide by the CP degree
         patches.set_attr(trainer, "get_cp_size", cp_size)
     divides = owns_cp or upstream.token_count_divides_by_get_cp_size()
-    compat.require(f"transformers.Trainer.{compat.TRAINER_COUNT_ITEMS}")
+    compat_checks.require(f"transformers.Trainer.{compat.TRAINER_COUNT_ITEMS}")
     count = getattr(trainer, compat.TRAINER_COUNT_ITEMS)
 
     def count_once(batch_samples, device):
@@ -72,7 +72,7 @@ def count_once_per_cp_group(trainer: Trainer, patches, parallel: Callable[[], Pa
     patches.set_attr(trainer, compat.TRAINER_COUNT_ITEMS, count_once)
     flops = trainer.floating_point_ops
     patches.set_attr(trainer, "floating_point_ops", lambda inputs: flops(inputs) / cp_size())
-    compat.require(f"transformers.Trainer.{compat.TRAINER_TRACK_TOKENS}")
+    compat_checks.require(f"transformers.Trainer.{compat.TRAINER_TRACK_TOKENS}")
     track = getattr(trainer, compat.TRAINER_TRACK_TOKENS)
 
     def track_once(inputs):

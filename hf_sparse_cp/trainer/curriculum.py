@@ -38,7 +38,7 @@ from transformers.trainer_utils import IntervalStrategy, SaveStrategy
 
 from ..config import MODEL_CONFIG_ATTRIBUTE, language_config
 from ..distributed import ContextParallelConfig, ParallelDims
-from ..integration import compat, trainer_losses, upstream
+from ..integration import compat, compat_checks, trainer_losses, upstream
 from ..integration.call_context import guard_context_parallel
 from ..integration.given import require_instance, require_trainer
 from ..integration.heads import SEQUENCE_CLASSIFICATION, model_head
@@ -247,7 +247,7 @@ def enable_curriculum(
                 configs.append(stage.cp_config(cp_config))
                 configs[-1].check_model(model.config)  # the stage's layout, before its groups are built
                 check_zigzag_length(stage, schedule.configs[i], configs[-1])
-    compat.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
+    compat_checks.require(f"transformers.Trainer.{compat.TRAINER_CP_INPUTS}")
     built: list[tuple[ContextParallelConfig, ParallelDims]] = []  # one ParallelDims (and its groups) per layout
     for config in configs:
         if not any(config == seen for seen, _ in built):

@@ -13,7 +13,7 @@ import torch
 from transformers import Trainer
 
 from ..distributed import ParallelDims
-from ..integration import compat
+from ..integration import compat, compat_checks
 from .arguments import flag_errors
 from .cp_batches import dp_data_loader
 from .stage_plan import Schedule
@@ -161,7 +161,7 @@ def train_data_loader(trainer: Trainer, schedule: Schedule, dims: Sequence[Paral
     args, dataset = trainer.args, trainer.train_dataset
     collator = trainer.data_collator
     if args.remove_unused_columns:
-        compat.require(f"transformers.Trainer.{compat.TRAINER_COLLATOR_WITHOUT_UNUSED}")
+        compat_checks.require(f"transformers.Trainer.{compat.TRAINER_COLLATOR_WITHOUT_UNUSED}")
         collator = getattr(trainer, compat.TRAINER_COLLATOR_WITHOUT_UNUSED)(collator, description="training")
     if dataset is None or not hasattr(dataset, "__len__"):
         with flag_errors((ValueError,)):  # (the flag against the run's data: a launched run ends with the message)

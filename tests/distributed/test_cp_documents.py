@@ -27,15 +27,10 @@ from hf_sparse_cp.distributed import (
 from hf_sparse_cp.distributed.comm import RingTopology
 from hf_sparse_cp.distributed.cp_config import PlannerCosts
 from hf_sparse_cp.distributed.split.blocks import shift_labels
-from hf_sparse_cp.distributed.split.documents import (
-    idle_documents_as_padding,
-    kept_blocks_per_row,
-    linear_weight,
-    plan_documents,
-    plan_row,
-    row_runs,
-    sparse_leads,
-)
+from hf_sparse_cp.distributed.split.document_costs import kept_blocks_per_row, linear_weight
+from hf_sparse_cp.distributed.split.document_plan import sparse_leads
+from hf_sparse_cp.distributed.split.document_runs import idle_documents_as_padding, row_runs
+from hf_sparse_cp.distributed.split.documents import plan_documents, plan_row
 from hf_sparse_cp.distributed.split.ring_time import RingSteps
 from hf_sparse_cp.simulator.traffic import pipelined_time, plan_traffic, ring_cost
 from hf_sparse_cp.simulator.workloads import mix_lengths, random_vertical_slash_layout, row_meta
@@ -336,7 +331,7 @@ def test_the_cut_leaves_room_for_the_ranks_the_token_cap_stops_short(seed):
     """At CP 32 (~1K tokens a rank) the ranks holding the cheap heads of long causal documents reach their token
     cap short of the mean: the cut's level must count them, not push their shortfall onto the last ranks (which
     reached 1.05 to 1.18 x the mean of the planner's own estimate)."""
-    from hf_sparse_cp.distributed.split.documents import balance_ratio
+    from hf_sparse_cp.distributed.split.document_plan import balance_ratio
 
     lengths = _long_tail(seed)
     assert balance_ratio(plan_documents(lengths, ["dense"] * len(lengths), 32, 64)) <= 1.04

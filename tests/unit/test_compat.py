@@ -20,7 +20,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from transformers import Trainer, TrainingArguments
 
 import hf_sparse_cp
-from hf_sparse_cp.integration import compat, trainer_losses, upstream
+from hf_sparse_cp.integration import compat, compat_checks, trainer_losses, upstream
 
 
 def _generating_trainer(tmp_path, name: str):
@@ -56,7 +56,7 @@ def _instances(tmp_path) -> dict:
 
 
 def test_every_member_is_as_the_plugin_uses_it(tmp_path):
-    problems = compat.check_patches(_instances(tmp_path))
+    problems = compat_checks.check_patches(_instances(tmp_path))
     assert not problems, "\n".join(problems)
 
 
@@ -67,17 +67,17 @@ def test_every_instance_member_is_checked_on_an_instance(tmp_path):
 
 def test_a_missing_member_is_named_with_the_versions(monkeypatch):
     monkeypatch.delattr(Trainer, compat.TRAINER_TRACK_TOKENS)
-    problems = compat.check_patches()
+    problems = compat_checks.check_patches()
     assert len(problems) == 1
     assert "transformers.Trainer._track_num_input_tokens no longer exists" in problems[0]
     assert "tested 5.15 to 5.25" in problems[0]
     with pytest.raises(RuntimeError, match="_track_num_input_tokens no longer exists.*tested range"):
-        compat.require("transformers.Trainer._track_num_input_tokens")
+        compat_checks.require("transformers.Trainer._track_num_input_tokens")
 
 
 def test_a_changed_signature_is_named(monkeypatch):
     monkeypatch.setattr(Trainer, compat.TRAINER_CP_INPUTS, lambda self, model, inputs, extra: (None, inputs))
-    (problem,) = compat.check_patches()
+    (problem,) = compat_checks.check_patches()
     assert "_prepare_context_parallel_inputs takes (self, model, inputs, extra), not (self, model, inputs)" in problem
 
 
@@ -85,7 +85,7 @@ def test_instance_members_are_checked_on_an_instance():
     class NoLoaders:
         pass
 
-    problems = compat.check_patches({"accelerate.Accelerator": NoLoaders()})
+    problems = compat_checks.check_patches({"accelerate.Accelerator": NoLoaders()})
     # (each member set in the Accelerator's __init__: its data loaders, its models)
     assert sorted(p.split(" no longer exists")[0] for p in problems) == [
         "accelerate.Accelerator._dataloaders", "accelerate.Accelerator._models"]
@@ -143,28 +143,28 @@ def test_a_member_newer_than_the_installed_release_is_not_missing(monkeypatch):
 
     monkeypatch.delattr(masking_utils, "remap_positions_for_packed_sequence", raising=False)
     monkeypatch.setattr(transformers, "__version__", "5.17.0")
-    assert not [p for p in compat.check_patches() if "remap_positions" in p]
+    assert not [p for p in compat_checks.check_patches() if "remap_positions" in p]
     monkeypatch.setattr(transformers, "__version__", "5.23.0")
-    (problem,) = [p for p in compat.check_patches() if "remap_positions" in p]
+    (problem,) = [p for p in compat_checks.check_patches() if "remap_positions" in p]
     assert "remap_positions_for_packed_sequence no longer exists" in problem
 
 
 def test_an_optional_package_that_fails_to_import_here_is_not_in_use(monkeypatch):
     """liger-kernel 0.8 imported on Triton 3.2 without a GPU raises RuntimeError ('0 active drivers'): check_patches
     raised it. Such a package is unusable here, so nothing of it is checked; a required one is named."""
-    resolve = compat._resolve
+    resolve = compat_checks._resolve
 
     def failing(dotted):
         if dotted.split(".")[0] in ("liger_kernel", "transformers"):
             raise RuntimeError("0 active drivers ([]). There should only be one.")
         return resolve(dotted)
 
-    monkeypatch.setattr(compat, "_resolve", failing)
+    monkeypatch.setattr(compat_checks, "_resolve", failing)
     liger = next(p for p in compat.PATCHES if p.package == "liger_kernel")
     ours = next(p for p in compat.PATCHES if p.package == "transformers" and not p.on_instances and not p.since)
     if importlib.util.find_spec("liger_kernel") is not None:
-        assert compat.problem(liger) is None
-    assert "cannot be imported (0 active drivers" in compat.problem(ours)
+        assert compat_checks.problem(liger) is None
+    assert "cannot be imported (0 active drivers" in compat_checks.problem(ours)
 
 
 _PACKAGE = Path(hf_sparse_cp.__file__).parent

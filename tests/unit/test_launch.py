@@ -16,7 +16,7 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 from hf_sparse_cp import SparseTrainingArguments, sparse_arguments_class
 from hf_sparse_cp.distributed import check_launched
-from hf_sparse_cp.integration.compat import argument_parser_classes
+from hf_sparse_cp.integration.compat_checks import argument_parser_classes
 from hf_sparse_cp.launch.command import parse_plugin_flags, split_command
 from hf_sparse_cp.launch.launched import attention_asked, attention_replaced, launched, plugin_flags_in
 from hf_sparse_cp.launch.processes import RUN_MODULE

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_sparse_cp.distributed import ContextParallelConfig
-from hf_sparse_cp.distributed.split.documents import ATTENTION_RATE_SHARE, PlannerCosts, linear_weight
+from hf_sparse_cp.distributed.split.document_costs import ATTENTION_RATE_SHARE, PlannerCosts, linear_weight
 from hf_sparse_cp.integration.planner_weights import linear_flop_pairs, planned_linear_weight
 from hf_sparse_cp.simulator.shapes import MODELS, ModelShape
 from hf_sparse_cp.testing.tiny_models import tiny_config

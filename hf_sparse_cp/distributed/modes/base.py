@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..ring.attention import RingStats
     from ..shard import CPShard
     from ..split.blocks import BlockSplit
-    from ..split.documents import PlannerCosts
+    from ..split.document_costs import PlannerCosts
 
 
 class CPAttention(NamedTuple):

@@ -11,7 +11,8 @@ from ..kept_fraction import reported_kept_fraction
 from ..ring.attention import ring_sparse_attention
 from ..ring.estimation import estimate_cp
 from ..split.blocks import ShardPlan
-from ..split.documents import check_planned_pattern, plan_row
+from ..split.document_plan import check_planned_pattern
+from ..split.documents import plan_row
 from .base import CPAttention, CPMode
 
 

@@ -13,7 +13,7 @@ blocks, and splits it by one of three layouts:
 * ``striped``: block b goes to rank b mod CP (MTraining), which balances vertical-slash work over
   ranks *and* ring steps; the default for sparse attention.
 
-`documents.DocumentPlan` (``--cp_sharding document``) re-orders the documents of a packed row and
+`document_plan.DocumentPlan` (``--cp_sharding document``) re-orders the documents of a packed row and
 gives ranks different numbers of blocks (see `documents.py`). `NestedSplit` cuts every shard of a split
 into contiguous pieces, one per rank of a head-parallel group (`--cp_mode ulysses` / `hybrid`).
 
