@@ -130,7 +130,7 @@ def _traced_call(module, query, key, value, attention_mask, dropout, scaling, sl
     """The output [B, S, Hq, D] of a call inside a trace through the custom ops (`compiled.traced_attention`), with
     the eager call's checks (none reads a tensor's values), or None for a call the ops do not take
     (`compiled.traced_call`), or of a layer whose settings are not parsed yet (`fresh_parsed_layer`)."""
-    window, unseen_window = mask_only_window(module, sliding_window)
+    window, unseen_window = mask_only_window(module, sliding_window, attention_mask)
     parsed = fresh_parsed_layer(module)  # (None: settings not parsed yet, which the call outside the graph parses)
     if parsed is None or IN_PROGRESS["probes and CP forwards"] or masked_locality(module, unseen_window) is not None:
         return None
@@ -184,7 +184,7 @@ def _call_outside_graphs(module, query, key, value, attention_mask, dropout, sca
     if own_keys:
         raise ValueError(own_keys)
     refuse_attention_weights(module, kwargs)
-    sliding_window, unseen_window = mask_only_window(module, sliding_window)
+    sliding_window, unseen_window = mask_only_window(module, sliding_window, attention_mask)
     refuse_masked_locality(module, unseen_window, *_call_documents(query, key, attention_mask, shard, kwargs),
                             attention_mask)
     query, key, value, scaling, value_dim = _engine_inputs(query, key, value, scaling)

@@ -15,7 +15,13 @@ import torch
 from ..attention.sinks import sink_shape_error
 from ..distributed.shard import CPShard
 from .architectures import ATTENTION_LAYER_TYPES, CONFIG_DROPOUTS
-from .call_tokens import cache_key_length, cache_tokens_held, is_bidirectional_mask
+from .call_tokens import (
+    builds_sliding_window_mask,
+    cache_key_length,
+    cache_tokens_held,
+    is_bidirectional_mask,
+    mask_window,
+)
 from .composite import tower_refusal
 from .layer_settings import layer_settings_refusal
 
@@ -59,17 +65,27 @@ def _layer_type(module: torch.nn.Module) -> str | None:
     return types[layer] if isinstance(layer, int) and 0 <= layer < len(types) else None
 
 
-def mask_only_window(module: torch.nn.Module, sliding_window: int | None) -> tuple[int | None, int | None]:
+def mask_only_window(module: torch.nn.Module, sliding_window: int | None,
+                     attention_mask: torch.Tensor | None = None) -> tuple[int | None, int | None]:
     """The sliding window of a layer whose model builds it into the attention mask (which sparse_cp does not use)
     without passing it to the attention function, e.g. Qwen2-MoE, PhiMoE: (window, None) for a layer that
     `config.layer_types` declares 'sliding_attention' (the mask holds `config.sliding_window`, as transformers'
     `create_sliding_window_causal_mask` builds it); (None, its size) when the config has a window and no layer types,
-    so that which layers use it is the model's own code; (sliding_window, None) otherwise."""
+    so that which layers use it is the model's own code; (sliding_window, None) otherwise.
+
+    A family whose modeling code never builds a sliding-window mask (`call_tokens.builds_sliding_window_mask`: a Llama
+    or GPT-2 config that carries the field) attends past the field in its own forward (SDPA does), and was refused for
+    documents longer than it; only transformers' `generate` builds its window into the mask there (for a StaticCache;
+    a DynamicCache's sliding layers hold the window's keys alone): such a call gets (the window of `attention_mask`,
+    `call_tokens.mask_window`, or None; None), computed as SDPA computes it. Under torch.compile, where the mask is not
+    read, (None, its size) as before."""
     config = getattr(module, "config", None)
     window = getattr(config, "sliding_window", None)
     if sliding_window is not None or not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return sliding_window, None
     if getattr(config, "layer_types", None) is None:
+        if builds_sliding_window_mask(config) is False and not torch.compiler.is_compiling():
+            return mask_window(attention_mask), None
         return None, window
     return (window, None) if _layer_type(module) == "sliding_attention" else (None, None)
 
@@ -100,7 +116,7 @@ def locality_refusal(module: torch.nn.Module, locality: tuple[str, int], what: s
     return ValueError(
         f"{type(module).__name__} of model type '{model_type}' puts its sliding window (config.sliding_window={size}) "
         "into the attention mask only, without passing it to the attention function, and config.layer_types does "
-        f"not say which layers use it; sparse_cp does not use that mask, so it cannot apply the window to {what}. "
+        f"not say which layers use it; sparse_cp does not use that mask, so it cannot apply the window, and {what}. "
         f"{fix[:1].upper()}{fix[1:]}, or {dense}")
 
 

@@ -135,6 +135,15 @@ def _defines_own_mask(module_name: str) -> bool:
                for value in vars(sys.modules[module_name]).values())
 
 
+def builds_sliding_window_mask(config) -> bool | None:
+    """Whether `config`'s transformers model family builds a sliding-window attention mask anywhere (its modeling
+    module imports masking_utils' `create_sliding_window_causal_mask`: Mistral, Mixtral, PhiMoE, Qwen3-MoE, ...);
+    False for one that never does (Llama, GPT-2, OLMo 2: a `sliding_window` in their config is read by no code, and
+    SDPA attends past it); None where unknown (`_modeling_module`: remote code, a composite config)."""
+    module = _modeling_module(config)
+    return None if module is None else hasattr(module, "create_sliding_window_causal_mask")
+
+
 def _modeling_module(config):
     """The imported transformers modeling module of `config`'s family, or None (a composite config, one holding its
     language model's, `language_config`: that model's module computes attention; a module not imported, or outside
@@ -202,6 +211,26 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     if _sees_next_key(function, batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device"),
                       kwargs.get("config")):
         raise NonCausalMask(kwargs.get("config"), "next key")
+    mask = _causal_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, **kwargs)
+    window = _generated_window(function, attention_mask, kwargs.get("config"))
+    if window is not None and mask_window(mask) is None:
+        # (a tensor of its own, never a view: a model may take a view of it, `.view(batch, -1)` (GPT-2), which
+        # `mask_window` follows to it; None cannot be marked)
+        if mask is None:
+            mask = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
+        elif mask._base is not None:
+            entry = _cache_entry(mask)
+            mask = mask.clone()
+            if entry is not None:
+                _record_cache_call(mask, *entry[1:])
+        key = id(mask)
+        _WINDOWED[key] = (weakref.ref(mask, lambda _: _WINDOWED.pop(key, None)), window)
+    return mask
+
+
+def _causal_mask(batch_size: int, q_length: int, kv_length: int, q_offset, kv_offset: int,
+                 attention_mask: torch.Tensor | None, **kwargs) -> torch.Tensor | None:
+    """`sparse_cp_mask`'s mask of a causal call (see there): the 2D padding mask, or None."""
     built = _cache_entry(attention_mask)
     if built is not None and built[1] == kv_length and built[3] == kv_offset:
         # (built here already: `generate` builds a compileable cache's mask before the forward, which builds its mask
@@ -218,10 +247,14 @@ def sparse_cp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
         # (contiguous: `generate` makes a compileable cache's masks contiguous, which would copy the column slice of a
         # sliding layer's mask, and the copy would not be the object recorded here)
         mask = mask.contiguous()
-        key = id(mask)
-        _CACHE_KEYS[key] = [weakref.ref(mask, lambda _: _CACHE_KEYS.pop(key, None)), kv_length, q_offset + q_length,
-                            kv_offset]
+        _record_cache_call(mask, kv_length, q_offset + q_length, kv_offset)
     return mask
+
+
+def _record_cache_call(mask: torch.Tensor, kv_length: int, tokens_held, kv_offset: int) -> None:
+    """Keep the key length, the tokens held and the key offset `mask` was built for through a cache (`_CACHE_KEYS`)."""
+    key = id(mask)
+    _CACHE_KEYS[key] = [weakref.ref(mask, lambda _: _CACHE_KEYS.pop(key, None)), kv_length, tokens_held, kv_offset]
 
 
 def padding_columns_as_sdpa_reads(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int
@@ -332,6 +365,46 @@ def _causal_composition(function) -> str | None:
     return None
 
 
+# The sliding window of each mask `sparse_cp_mask` built from a window that the model's own forward never builds
+# (`_generated_window`), by id (a weak reference checks that the mask is the same object; the entry goes with it).
+_WINDOWED: dict[int, tuple[weakref.ref, int]] = {}
+_SLIDING_OVERLAY = "sliding_window_overlay.<locals>.inner_mask"
+
+
+def mask_window(attention_mask: torch.Tensor | None) -> int | None:
+    """The sliding window `attention_mask` (or the mask it is a view of, of the same shape) carries where
+    `sparse_cp_mask` built it from generate's window for a model whose own forward builds none (`_generated_window`),
+    else None."""
+    entry = _recorded(_WINDOWED, attention_mask)
+    return None if entry is None else entry[1]
+
+
+def _generated_window(function, attention_mask: torch.Tensor | None, config) -> int | None:
+    """The sliding window of a mask that transformers' `generate` builds from `config.sliding_window`
+    (`create_masks_for_generate`, for a compileable cache: a StaticCache) for a model whose own forward never builds
+    one (no `layer_types`, `builds_sliding_window_mask` False: a Llama config that carries the field): its mask
+    function's window, or that of generate's mask the forward builds its own from. None for any other mask, and
+    under torch.compile (not read: `call_refusals.mask_only_window` then refuses beyond the field, as before)."""
+    if (torch.compiler.is_compiling() or getattr(config, "layer_types", None) is not None
+            or builds_sliding_window_mask(config) is not False):
+        return None
+    window = _function_window(function)
+    return mask_window(attention_mask) if window is None else window
+
+
+def _function_window(function) -> int | None:
+    """The window of transformers' `sliding_window_overlay` in mask `function` (alone or in an and-mask: the
+    narrowest), or None."""
+    name = _masking_utils_name(function)
+    if name == _SLIDING_OVERLAY:
+        window = _closure_value(function, "sliding_window")
+        return window if isinstance(window, int) and not isinstance(window, bool) else None
+    if name == _AND and isinstance(parts := _closure_value(function, _AND_PARTS), tuple):
+        windows = [w for w in map(_function_window, parts) if w is not None]
+        return min(windows) if windows else None
+    return None
+
+
 # The masks `sparse_cp_mask` built from transformers' bidirectional mask function, by id (a weak reference checks
 # that the mask is the same object). The attention call handed one refuses it (`is_bidirectional_mask`), not the mask
 # function: a BART-family decoder builds its cross-attention's mask at every forward, which a decoder-only forward
@@ -379,8 +452,18 @@ def cache_slots_held(attention_mask: torch.Tensor | None) -> int | None:
 
 
 def _cache_entry(attention_mask: torch.Tensor | None) -> list | None:
-    entry = _CACHE_KEYS.get(id(attention_mask))
-    return entry if entry is not None and entry[0]() is attention_mask else None
+    return _recorded(_CACHE_KEYS, attention_mask)
+
+
+def _recorded(registry: dict, attention_mask: torch.Tensor | None):
+    """The entry of `registry` (by id, its first item a weak reference to the mask) of `attention_mask`, or of the mask
+    it is a view of with the same shape (GPT-2's forward takes `attention_mask.view(batch, -1)` of the mask generate
+    built), or None."""
+    for mask in (attention_mask, getattr(attention_mask, "_base", None)):
+        entry = None if mask is None else registry.get(id(mask))
+        if entry is not None and entry[0]() is mask and mask.shape == attention_mask.shape:
+            return entry
+    return None
 
 
 def cache_slots_mask(attention_mask: torch.Tensor | None, held: int, k_len: int) -> torch.Tensor | None:

@@ -421,6 +421,14 @@ PATCHES = (
           "function among its parts (closure `mask_functions`) never lets a query see a later key, without "
           "evaluating it (`integration.call_tokens._causal_composition`; another closure is evaluated)",
           parameters=("*mask_functions",)),
+    Patch("transformers.masking_utils", "sliding_window_overlay", "reads", "a window generate builds into a "
+          "StaticCache's masks from config.sliding_window for a model whose own forward builds none (Llama, GPT-2) "
+          "is read from the overlay's closure `sliding_window` and computed "
+          "(`integration.call_tokens._function_window`)",
+          parameters=("sliding_window",)),
+    Patch("transformers.masking_utils", "create_sliding_window_causal_mask", "reads", "a family whose modeling module "
+          "never imports it builds no sliding-window mask in its forward, whatever config.sliding_window says "
+          "(`integration.call_tokens.builds_sliding_window_mask`)"),
     Patch("transformers.masking_utils", "remap_positions_for_packed_sequence", "reads", "the causal function on a "
           "packed batch's positions (closure `mask_function`), and-ed with the documents' mask, is known causal "
           "(`integration.call_tokens._causal_composition`)", parameters=("mask_function", "position_ids"),
@@ -459,6 +467,8 @@ PATCHES = (
     Patch("torch.Tensor", "_version", "reads", "a layout's derived tensors and a forward's token metadata are reused "
           "only while nothing wrote their tensors in place (autograd's own saved-tensor check); an inference tensor "
           "has none, and is never reused (`attention.layout.write_version`)"),
+    Patch("torch.Tensor", "_base", "reads", "a mask the backend's mask function built is known in the view a model "
+          "takes of it (GPT-2's forward: `attention_mask.view(batch, -1)`; `integration.call_tokens._recorded`)"),
     Patch("torch.distributed.ProcessGroup", "_get_backend", "calls", "the context-parallel groups take the default "
           "group's timeout (--ddp_timeout; torch gives a new group its backend's default, 30 min for gloo, and has no "
           "public getter: `distributed.comm.group_timeout`)"),

@@ -304,3 +304,30 @@ def test_static_cache_generation_past_the_window_of_a_model_without_layer_types_
               output_logits=True, return_dict_in_generate=True)
     got, want = ours.generate(prompt, **kw), ref.generate(prompt, **kw)
     assert rel_rms(torch.stack(got.logits), torch.stack(want.logits)) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_a_window_field_the_models_own_code_never_reads_is_computed_as_sdpa_computes_it(model_type):
+    """A Llama or GPT-2 config that carries `sliding_window` (their modeling code never reads it: their forward
+    attends past it, in SDPA and eager) was refused for documents longer than it, as if their mask held the window,
+    at set-up too. transformers' `generate` does read it: for a StaticCache it builds the window into the masks
+    (`create_masks_for_generate`; GPT-2's forward takes a view of that mask), and a DynamicCache's sliding layers
+    hold the window's keys alone. Each is now computed as SDPA computes it: the forward past the window, generation
+    within it."""
+    from hf_sparse_cp import SparseCPArguments
+    from hf_sparse_cp.trainer.attach import enable_sparse_attention
+
+    ref, ours = _pair(model_type, sliding_window=8)
+    prompt = torch.randint(3, 259, (2, 30), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[1, :11] = 0
+    with torch.no_grad():
+        logits = [model(input_ids=prompt, attention_mask=mask).logits for model in (ours, ref)]
+    assert rel_rms(logits[0][mask.bool()], logits[1][mask.bool()]) <= TOLERANCE[torch.float32]
+    for cache_implementation in ("static", "dynamic"):
+        kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True, cache_implementation=cache_implementation)
+        got, want = ours.generate(prompt, **kw), ref.generate(prompt, **kw)
+        assert rel_rms(torch.stack(got.logits), torch.stack(want.logits)) <= TOLERANCE[torch.float32]
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, sliding_window=8))
+    enable_sparse_attention(model, SparseCPArguments(), FULL, max_length=64)  # (refused: "at most 8 tokens")
