@@ -213,8 +213,6 @@ def launched_a_child() -> bool:
     return bool(_children_ran)
 
 
-
-
 def run_forwarding_signals(command: list[str], env: Mapping[str, str] | None = None) -> int:
     """Run `command` (torchrun, accelerate launch) as a child (in `env`, default this process's) and end with it:
     SIGINT, SIGTERM, SIGHUP or SIGQUIT sent to this process (Ctrl-C, `kill`, a scheduler) is passed on to the child's

@@ -17,7 +17,7 @@
   its process group's teardown, the others stopped by the launcher, as seen under load) ended on the refusal too.
   Any other failure keeps them. A run stopped by a signal
   ends with 128 + its number, without the launcher's traceback (and, on Ctrl-C, without torchrun's line per worker:
-  `interrupts.py`).
+  `interrupts.py`). Once its workers are gone it ends without the interpreter's teardown (`end_launcher`).
 """
 
 from __future__ import annotations
