@@ -304,12 +304,18 @@ def main(argv: list[str] | None = None) -> int:
     # (everything after these commands is the launcher's and the script's, in order)
     if argv[:1] in (["launch"], ["train"]):
         try:
-            return (_launch if argv[0] == "launch" else _train)(argv[1:])
+            status = (_launch if argv[0] == "launch" else _train)(argv[1:])
         except KeyboardInterrupt:  # (Ctrl-C while the launcher checks the run: seconds of imports, before it starts)
             from hf_sparse_cp.launch.interrupts import INTERRUPTED
 
             sys.stderr.write("hf-sparse-cp: interrupted by the user before the run started.\n")
             return INTERRUPTED
+        from hf_sparse_cp.launch.processes import launched_a_child
+        from hf_sparse_cp.launch.refusals import end_launcher
+
+        if from_command_line and launched_a_child():  # (the run is over: nothing is left in this process to tear down)
+            end_launcher(status)
+        return status
     parser = argparse.ArgumentParser(prog="hf-sparse-cp", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hf-sparse-cp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -200,7 +200,17 @@ def launch(options: argparse.Namespace, run_args: Sequence[str], here: Callable[
         status = run_forwarding_signals([*command, *run_args], env={**os.environ, REPORTS_ENV: reports})
         if status == INTERRUPTED:  # (the processes exit in silence: `interrupts.end_interrupted`)
             sys.stderr.write(interrupted_line(launched_processes(options) or 1, recorded_output_dirs(reports)))
-        return status
+    _children_ran.append(status)
+    return status
+
+
+_children_ran: list[int] = []  # (the status of each run `launch` left to a launcher child: `launched_a_child`)
+
+
+def launched_a_child() -> bool:
+    """Whether `launch` ran its run under a launcher child (torchrun, accelerate launch) of this process, which then
+    only waited for it: nothing of the run is left here (`refusals.end_launcher`)."""
+    return bool(_children_ran)
 
 
 def run_forwarding_signals(command: list[str], env: Mapping[str, str] | None = None) -> int:

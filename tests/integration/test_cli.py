@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -204,3 +205,21 @@ def test_ctrl_c_ends_the_run_with_one_line_and_no_traceback(training_run, tmp_pa
     log = (tmp_path / "log.txt").read_text()
     assert log.count("hf-sparse-cp: interrupted by the user; 2 ranks stopped; no checkpoint was saved.\n") == 1, log
     assert "Traceback" not in log and "KeyboardInterrupt" not in log and "closing signal" not in log, log[-3000:]
+
+
+def test_a_launcher_whose_run_is_over_ends_with_its_status_its_exit_handlers_and_its_output():
+    """`refusals.end_launcher` (the command line's launcher once its torchrun or accelerate child is gone, torchrun
+    once its workers are) skips the interpreter's teardown only: a thread still running is waited for, the exit
+    handlers run and the output buffered so far is written, and the process ends with the status given."""
+    code = textwrap.dedent("""
+        import atexit, sys, threading, time
+        from hf_sparse_cp.launch.refusals import end_launcher
+        atexit.register(lambda: sys.stdout.write("handler ran"))
+        threading.Thread(target=lambda: (time.sleep(0.2), sys.stdout.write("thread done, "))).start()
+        sys.stdout.write("buffered, ")
+        sys.stderr.write("to stderr")
+        end_launcher(3)
+        sys.stdout.write("never")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "buffered, thread done, handler ran", "to stderr")

@@ -324,16 +324,15 @@ GEMMA_CP_PATTERN = SparseAttentionConfig(min_seq_len=0, block_size=64, vertical_
                                          local_window=64, dense_first_layers=0)
 
 
-def _gemma_one_process(model) -> dict:
-    """Gemma 3 270M's loss, gradients and kept fractions on `GEMMA_CP_TOKENS` tokens in one process (the reference
-    of `_gemma_loss_under_cp`): a forward and a backward with `GEMMA_CP_PATTERN`, on one thread as each rank, the
+def _gemma_one_process(model, ids: torch.Tensor) -> dict:
+    """Gemma 3 270M's loss, gradients and kept fractions on the tokens `ids` in one process (the reference of
+    `_gemma_loss_under_cp`): a forward and a backward with `GEMMA_CP_PATTERN`, on one thread as each rank, the
     embeddings (tied to the output, 168M of its 268M weights) frozen as there; the model is left as it was."""
     import torch.nn.functional as F
 
     from hf_sparse_cp.integration.stats import pop_kept_fractions
 
     embeddings = model.get_input_embeddings().weight
-    ids = pretrained.text_token_ids(pretrained.load_tokenizer("gemma3-270m"), GEMMA_CP_TOKENS, start_char=200_000)
     hf_sparse_cp.patch()
     try:
         embeddings.requires_grad_(False)
@@ -348,11 +347,11 @@ def _gemma_one_process(model) -> dict:
         hf_sparse_cp.unpatch()
 
 
-def _gemma_loss_under_cp(rank: int, world: int, reference: str) -> dict:
-    """Gemma 3 270M's loss, gradients and kept fractions on `GEMMA_CP_TOKENS` tokens under CP `world` (sparse
-    ring): a forward and a backward, the embeddings frozen as in `_gemma_one_process`, whose result (`torch.save`d
-    at `reference` by the test's process meanwhile: computed once, not on every rank) the gradients are compared
-    with."""
+def _gemma_loss_under_cp(rank: int, world: int, ids: torch.Tensor, reference: str) -> dict:
+    """Gemma 3 270M's loss, gradients and kept fractions on the tokens `ids` under CP `world` (sparse ring): a forward
+    and a backward, the embeddings frozen as in `_gemma_one_process`, whose result (`torch.save`d at `reference` by
+    the test's process meanwhile: computed once, not on every rank) the gradients are compared with. (`ids` come
+    from the test's process: Gemma's tokenizer, a vocabulary of 262,144, takes seconds of CPU to load.)"""
     import time
 
     import torch.distributed as dist
@@ -364,10 +363,9 @@ def _gemma_loss_under_cp(rank: int, world: int, reference: str) -> dict:
     from hf_sparse_cp.integration.stats import pop_kept_fractions
 
     torch.set_num_threads(1)
-    tokenizer, model = pretrained.load_tokenizer("gemma3-270m"), pretrained.load_model(name="gemma3-270m")
+    model = pretrained.load_model(name="gemma3-270m")
     model.get_input_embeddings().weight.requires_grad_(False)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    ids = pretrained.text_token_ids(tokenizer, GEMMA_CP_TOKENS, start_char=200_000)
     hf_sparse_cp.patch()
     hf_sparse_cp.configure(model, GEMMA_CP_PATTERN)
     check_model_supports_context_parallel(model)
@@ -406,10 +404,12 @@ def test_gemma_under_cp2_gives_one_process_loss_and_gradients_with_its_global_la
     from hf_sparse_cp.testing.spawn import run_gloo
 
     reference = tmp_path / "one_process.pt"
+    ids = pretrained.text_token_ids(gemma[0], GEMMA_CP_TOKENS, start_char=200_000)
+    assert ids.shape == (1, GEMMA_CP_TOKENS)
     with ThreadPoolExecutor(1) as pool:  # the ranks run while this process computes their reference
-        ranks = pool.submit(run_gloo, _gemma_loss_under_cp, 2, str(reference), timeout_s=1800)
+        ranks = pool.submit(run_gloo, _gemma_loss_under_cp, 2, ids, str(reference), timeout_s=1800)
         try:
-            torch.save(_gemma_one_process(gemma[1]), tmp_path / "writing.pt")
+            torch.save(_gemma_one_process(gemma[1], ids), tmp_path / "writing.pt")
             (tmp_path / "writing.pt").rename(reference)  # (whole, as the ranks read it)
         except BaseException:
             Path(f"{reference}.failed").touch()  # (the ranks stop waiting for it)
