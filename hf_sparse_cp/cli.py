@@ -213,16 +213,17 @@ def _launch(argv: list[str], command: str = "launch") -> int:
         # the flags before the script path, which each parses alone, those among the script's arguments, which the
         # script's parser takes, a CP degree the processes cannot run
         from hf_sparse_cp.config.registries import UnregisteredVariant
-        from hf_sparse_cp.launch.command import launched_cp_degrees, parse_plugin_flags
+        from hf_sparse_cp.launch.command import launched_cp_degrees, parse_plugin_flags, script_max_steps
         from hf_sparse_cp.launch.known_scripts import module_found, reads_trl_config, script_refusal
         from hf_sparse_cp.trainer.plugin_arguments import parsing_for_launch
 
         with parsing_for_launch(processes):  # (as one of the processes, which say what the flags do themselves)
             plugin = parse_plugin_flags(plugin_flags, prog=prog, usage=usage)
-            reads_config, mode_unknown = reads_trl_config(target, is_module), False
+            reads_config, mode_unknown, complete = reads_trl_config(target, is_module), False, True
             try:
                 run_flags = launched_flags(plugin, args, reads_config)
             except UnregisteredVariant:
+                complete = False  # (the settings that may name the variant left out: the pattern is not known)
                 # a flag or a config file among the script's arguments naming a variant of the user's own, which the
                 # script registers in each process before its parser reads them: the processes check it (as they check
                 # what only the script's parser can say); the CP degrees are checked here all the same
@@ -231,6 +232,14 @@ def _launch(argv: list[str], command: str = "launch") -> int:
                 parser.error(str(e))
         if run_flags is not None:
             refuse_unlaunchable(parser, run_flags, processes, options.accelerate_config, ring=not mode_unknown)
+        if run_flags is not None and complete:
+            # a --cp_schedule's stages as the flags alone decide them (their fields, whole blocks per CP rank, the
+            # starts against the script's --max_steps), which each process refused only once it had built its data
+            # and model (the degrees against the processes first: what follows from a degree is no fix)
+            try:
+                run_flags.check_schedule(script_max_steps(args, reads_config))
+            except ValueError as e:
+                parser.error(str(e))
         # and what the script's source says it builds: a TRL trainer CP or this machine cannot run
         if is_module and not module_found(target):  # (`hf_sparse_cp.run` refuses it too, once per launch)
             parser.error(f"no module named {target!r} (of -m {target}): check the name.")

@@ -122,6 +122,23 @@ def trl_config(args: Sequence[str]) -> dict[str, Any]:
     return {key: value for key, value in config.items() if key != "env"} if isinstance(config, dict) else {}
 
 
+def script_max_steps(args: Sequence[str], reads_config: bool) -> int:
+    """The `--max_steps` among a script's arguments `args` as its Trainer's parser reads it (`TrainingArguments`'
+    field, spelled whole; the key of TRL's `--config` file where the script reads it, `reads_config`, the command
+    line beating it); -1 (not known) without one, or where the parser alone can say (a value it refuses)."""
+    class Quiet(argparse.ArgumentParser):
+        def error(self, message: str):
+            raise _Refused(message)  # (the script's parser says what is wrong with it)
+
+    parser = Quiet(add_help=False, allow_abbrev=False)
+    parser.add_argument("--max_steps", type=int, default=(trl_config(args) if reads_config else {}).get("max_steps"))
+    try:
+        steps = parser.parse_known_args(list(args))[0].max_steps
+    except _Refused:
+        return -1
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else -1
+
+
 def launched_flags(plugin: PluginArguments, args: Sequence[str], reads_config: bool) -> PluginArguments | None:
     """`plugin` (the flags before the script path) with the plugin's flags among `args` (the script's arguments,
     which the script's parser takes beside its own, over the keys of TRL's `--config` file, `trl_config`, where the

@@ -37,6 +37,7 @@ from .arguments import (
     unprefixed,
 )
 from .schedule import CurriculumArguments, Stage, parse_schedule, stage_layouts
+from .stage_plan import check_schedule_flags
 
 logger = logging.getLogger(__name__)
 _WARNED: set[str] = set()  # (the arguments of one run are built more than once in a process: warned once)
@@ -289,6 +290,18 @@ class PluginArgumentsMixin(KnownKeywords):
             return [("", self.cp_size)]
         return [(f"--cp_schedule stage {i} ({stage.text}): ", stage.cp_size)
                 for i, stage in enumerate(parse_schedule(self.cp_schedule))]
+
+    def check_schedule(self, max_steps: int = -1) -> None:
+        """`stage_plan.check_schedule_flags` for the run's `--cp_schedule` (nothing without one): what the flags
+        alone decide of its stages (their fields, their CP layouts, whole blocks per CP rank with the run's pattern
+        where the flags give it: no `--sparse_config` file, or the flags typed known), and their starts against
+        `max_steps` (-1: not known). The launcher runs it on the flags of a launched script, which the processes
+        refused only once each had built its data and model."""
+        if not self.cp_schedule:
+            return
+        known = self.sparse_attention and (self.sparse_config is None or self.explicit_flags is not None)
+        check_schedule_flags(self.cp_schedule, self.sparse_attention_config() if known else None, max_steps,
+                             self.context_parallel_config())
 
     def check_launch(self, env: Mapping[str, str] = os.environ, ring: bool = True) -> None:
         """`mesh.check_launched` for the run's CP degrees (`cp_degrees`; a refusal names the stage) in a launch

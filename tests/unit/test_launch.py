@@ -719,6 +719,56 @@ def test_a_cp_degree_the_launched_processes_cannot_run_is_refused_before_they_st
     assert "launch a multiple of 3 processes" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("flags, message", [
+    # (the plugin's flags before the script path, the script's after it)
+    (["--cp_schedule", "0:128:1,2:200:2", "train.py", "--max_steps", "4"],
+     "cp_schedule stage 1 (2:200:2): seq_len=200 does not split into whole blocks of 128 tokens over 2 CP ranks"),
+    (["train.py", "--cp_schedule", "0:128:1,2:192:2", "--sparse_block_size", "64", "--max_steps", "4"],
+     "cp_schedule stage 1 (2:192:2): seq_len=192 does not split into whole blocks of 64 tokens over 2 CP ranks"),
+    (["--cp_schedule", "0:128:1,2:256:2:vertical_top=4", "train.py"], "['vertical_top'] are not sparse-pattern fields"),
+    (["--cp_schedule", "0:128:1,2:256:2:cp_mode=bogus", "train.py"], "cp_mode=bogus (str) is not valid"),
+    (["--cp_schedule", "0:128:1,2:256:2,2:256:1", "train.py", "--max_steps", "6"],
+     "starts at step 2, not after stage 1"),
+    # the starts against the script's --max_steps (TrainingArguments' flag, as its parser reads it)
+    (["--cp_schedule", "0:128:1,4:256:2", "train.py", "--max_steps", "4"],
+     "cp_schedule's last stage starts at step 4, at or after --max_steps 4"),
+    (["--cp_schedule", "0:128:1,4:256:2", "train.py", "--max_steps=3"], "at or after --max_steps 3"),
+])
+def test_a_schedule_of_a_launched_script_that_its_flags_refuse_is_refused_before_the_processes_start(
+        started, monkeypatch, tmp_path, capsys, flags, message):
+    """`hf-sparse-cp launch --nproc 2 --cp_schedule 0:128:1,2:200:2 train.py --max_steps 4` (and a stage's unknown
+    field, its start at or after --max_steps, ...) started both processes, each refusing the schedule once it had built
+    its data and model (the launcher checked the stages' CP degrees only, where the docs say the flags alone refuse
+    it before a launcher starts any process): refused once, naming the fix, nothing started."""
+    from hf_sparse_cp import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["launch", "--nproc", "2", *flags, "--output_dir", "out", "--use_cpu"])
+    assert refused.value.code == 2 and not started
+    err = capsys.readouterr().err
+    assert "hf-sparse-cp launch: error: " in err and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("flags", [
+    ["--cp_schedule", "0:128:1,2:192:2", "train.py", "--sparse_block_size", "32", "--max_steps", "4"],  # whole blocks
+    ["--cp_schedule", "0:128:1,4:256:2", "train.py"],  # no --max_steps typed: the script may set it in code
+    ["--cp_schedule", "0:128:1,4:256:2", "train.py", "--max_steps", "five"],  # the script's parser refuses it
+    ["--cp_schedule", "0:128:1,4:256:2", "train.py", "--max_steps_total", "4"],  # a flag of the script's own
+])
+def test_a_schedule_the_launcher_cannot_refuse_from_the_flags_starts_the_processes(started, monkeypatch, tmp_path,
+                                                                                    flags):
+    from hf_sparse_cp import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cli.main(["launch", "--nproc", "2", *flags, "--output_dir", "out", "--use_cpu"]) == 0
+    assert len(started) == 1
+
+
 def test_the_launcher_reads_a_scripts_use_cpu_for_the_device_its_processes_train_on(started, monkeypatch, tmp_path,
                                                                                       capsys):
     """A GPU-only engine with the script's --use_cpu on a GPU machine: the launcher checked it for the GPU and started
