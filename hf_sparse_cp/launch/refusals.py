@@ -203,9 +203,10 @@ def end_launcher(status: int) -> NoReturn:
     `status`: its exit handlers run and its output is flushed, but not the interpreter's teardown, which here only
     frees what the launcher imported (torch; for the command line's checks transformers and a script's TRL trainer:
     1.2 s of a CPU, 1.8 s of wall on a loaded 2-core machine, after the run had ended)."""
-    for thread in threading.enumerate():  # (as python's exit waits for them, before the exit handlers)
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # (as python's exit, before the exit handlers: the threading module's own exit hooks, which stop the idle workers
+    # of a ThreadPoolExecutor never shut down, then waits for the non-daemon threads; joining them alone would wait
+    # forever on such workers)
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -7,6 +7,9 @@ allocate, measured on the same model, is the memory model's (`memory_model.measu
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,7 +165,8 @@ def layer_windows(config: Any, where: str) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: global attention) as the attention backend receives it: the layers that
     `layer_types` names 'sliding_attention' (Gemma 3, Cohere 2, Qwen2's `use_sliding_window` from
     `max_window_layers` on) attend within `sliding_window`; without `layer_types`, a `sliding_window` is every
-    layer's (Mistral's, StarCoder2's and Phi-3's attention pass it to every call); () where no layer has one.
+    layer's (Mistral's, StarCoder2's and Phi-3's attention pass it to every call; `ModelShape.from_config` drops it
+    where no code of the model reads it, `reads_sliding_window`: a Llama config's); () where no layer has one.
 
     Raises:
         ValueError: a layer type other than those two (e.g. Llama 4's 'chunked_attention'), `layer_types` of
@@ -183,6 +187,28 @@ def layer_windows(config: Any, where: str) -> tuple[int | None, ...]:
                          "whole number >= 1), or a preset (--model).")
     windows = tuple(window if kind == "sliding_attention" else None for kind in types)
     return windows if any(w is not None for w in windows) else ()
+
+
+def reads_sliding_window(model: torch.nn.Module) -> bool:
+    """Whether the code of `model` (transformers' modeling modules of its classes) may read its config's
+    `sliding_window`: builds it into a mask (imports masking_utils' `create_sliding_window_causal_mask`: Mistral,
+    PhiMoE) or names the field (Mistral's, OLMoE's attention passes it to the attention function). False for a family
+    that does neither (Llama, GPT-2, OLMo 2: a config that carries the field attends past it in SDPA and in sparse_cp,
+    `call_refusals.mask_only_window`); True for any class outside transformers (remote code: not judged, as there)."""
+    return any(_module_reads_sliding_window(type(m).__module__) for m in model.modules())
+
+
+@functools.cache
+def _module_reads_sliding_window(name: str) -> bool:
+    if not name.startswith("transformers.models."):  # (torch's layers and transformers' shared ones read no config)
+        return not name.startswith(("torch.", "transformers."))
+    module = sys.modules.get(name)
+    if module is None or hasattr(module, "create_sliding_window_causal_mask"):
+        return True
+    try:
+        return "sliding_window" in inspect.getsource(module)
+    except (OSError, TypeError):  # (no source to read: as if it read it)
+        return True
 
 
 def _sectioned_expert_counts(config: Any) -> list[str]:
@@ -360,6 +386,8 @@ class ModelShape:
         heads, kv_heads, head_dim = check_decoder(config, where)
         windows = layer_windows(config, where)
         model = model if model is not None else meta_model(config, where)
+        if windows and getattr(config, "layer_types", None) is None and not reads_sliding_window(model):
+            windows = ()  # (a field no code of the model reads: its attention, SDPA's and sparse_cp's, is global)
         if _routes_to_experts(config):
             experts, per_token, width, others, activation = moe_form(model, config, where)
             gated, moe = True, {"experts": experts, "experts_per_token": per_token, "moe_weights": others}

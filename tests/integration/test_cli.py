@@ -223,3 +223,17 @@ def test_a_launcher_whose_run_is_over_ends_with_its_status_its_exit_handlers_and
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout, done.stderr) == (3, "buffered, thread done, handler ran", "to stderr")
+
+
+def test_a_launcher_with_an_executor_never_shut_down_still_ends():
+    """Python's exit stops the idle workers of a ThreadPoolExecutor left open (the threading module's exit hooks)
+    before it waits for the threads: `end_launcher` does too, where joining the threads alone waited forever."""
+    code = textwrap.dedent("""
+        import concurrent.futures
+        from hf_sparse_cp.launch.refusals import end_launcher
+        executor = concurrent.futures.ThreadPoolExecutor(1)  # (held: its workers stay, waiting for work)
+        executor.submit(print, "job ran").result()
+        end_launcher(4)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (4, "job ran\n"), done.stderr

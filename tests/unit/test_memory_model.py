@@ -472,6 +472,18 @@ def test_sliding_window_layers_are_read_from_the_config_and_other_layer_types_re
         ModelShape.from_config(LlamaConfig(**fields, layer_types=["sliding_attention"] * 4))
 
 
+def test_a_window_field_no_code_of_the_model_reads_is_no_window_in_the_predictions():
+    """A Llama config that carries `sliding_window` attends past it (its code never reads the field: SDPA, and
+    sparse_cp since `call_refusals.mask_only_window` computes it as SDPA): its layers were predicted as sliding-window
+    layers (a window's dense layout, far less work and memory than the run's). Mistral's attention reads it."""
+    from transformers import LlamaConfig, MistralConfig
+
+    fields = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=512, vocab_size=1000)
+    assert ModelShape.from_config(LlamaConfig(**fields, sliding_window=1024)).windows == ()
+    assert ModelShape.from_config(MistralConfig(**fields, sliding_window=1024)).windows == (1024,) * 4
+
+
 def test_the_memory_command_reads_two_matrix_and_gpt2_style_configs(tmp_path, capsys):
     """Issue #50: a Pythia-1.4B-shaped config.json is counted as its 1.41B parameters (it read 1.82B) and a GPT-2 one
     (`n_embd`, `n_inner`: null), refused before for naming no intermediate_size, is answered."""
