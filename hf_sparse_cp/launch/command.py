@@ -38,7 +38,14 @@ class _Refused(Exception):
     """What argparse would print and exit with, raised instead (`_SplitParser`)."""
 
 
-class _SplitParser(HfArgumentParser):
+class _QuietParser(argparse.ArgumentParser):
+    """A parser that raises `_Refused` where argparse would print and exit."""
+
+    def error(self, message: str):
+        raise _Refused(message)
+
+
+class _SplitParser(_QuietParser, HfArgumentParser):
     """The plugin's flags, parsed without printing or exiting: which arguments they take (`split_command`). A flag's
     variant of the user's own (`--cp_mode own_ring`) is one argument like any: the script registers it, so its
     parser checks it (`registries.VariantFlag`)."""
@@ -51,9 +58,6 @@ class _SplitParser(HfArgumentParser):
         self.add_argument("-h", "--help", action="store_true")
         for option in options:  # (options of one value each, e.g. the launcher's --nproc)
             self.add_argument(option)
-
-    def error(self, message: str):
-        raise _Refused(message)
 
     def takes(self, argv: Sequence[str]) -> bool:
         """Whether `argv` parses as flags of this parser, every argument taken."""
@@ -126,11 +130,7 @@ def script_max_steps(args: Sequence[str], reads_config: bool) -> int:
     """The `--max_steps` among a script's arguments `args` as its Trainer's parser reads it (`TrainingArguments`'
     field, spelled whole; the key of TRL's `--config` file where the script reads it, `reads_config`, the command
     line beating it); -1 (not known) without one, or where the parser alone can say (a value it refuses)."""
-    class Quiet(argparse.ArgumentParser):
-        def error(self, message: str):
-            raise _Refused(message)  # (the script's parser says what is wrong with it)
-
-    parser = Quiet(add_help=False, allow_abbrev=False)
+    parser = _QuietParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--max_steps", type=int, default=(trl_config(args) if reads_config else {}).get("max_steps"))
     try:
         steps = parser.parse_known_args(list(args))[0].max_steps
