@@ -200,17 +200,18 @@ def launch(options: argparse.Namespace, run_args: Sequence[str], here: Callable[
         status = run_forwarding_signals([*command, *run_args], env={**os.environ, REPORTS_ENV: reports})
         if status == INTERRUPTED:  # (the processes exit in silence: `interrupts.end_interrupted`)
             sys.stderr.write(interrupted_line(launched_processes(options) or 1, recorded_output_dirs(reports)))
-    _children_ran.append(status)
+    global _launched_a_child
+    _launched_a_child = True
     return status
 
 
-_children_ran: list[int] = []  # (the status of each run `launch` left to a launcher child: `launched_a_child`)
+_launched_a_child = False  # (set once `launch` has left a run to a launcher child: `launched_a_child`)
 
 
 def launched_a_child() -> bool:
     """Whether `launch` ran its run under a launcher child (torchrun, accelerate launch) of this process, which then
     only waited for it: nothing of the run is left here (`refusals.end_launcher`)."""
-    return bool(_children_ran)
+    return _launched_a_child
 
 
 def run_forwarding_signals(command: list[str], env: Mapping[str, str] | None = None) -> int:
