@@ -75,7 +75,6 @@ from .plugin_arguments import (
 from .reference import attend_like_trained_model
 from .schedule import parse_schedule
 from .smet import check_smet_optim, install_smet
-from .stage_plan import check_schedule_flags
 from .tied_weights import alias_tied_weights
 
 logger = logging.getLogger(__name__)
@@ -157,11 +156,7 @@ class SparseArgumentsMixin(PluginArgumentsMixin):
                     # each stage's CP degree against the processes first: a length refused for its blocks per CP
                     # rank named other lengths, which the processes then refused for the degree (3:256:3 on 2)
                     self.check_launch(launched_env(world))
-                # The pattern the model will run: these flags' without a --sparse_config file; with one, which of
-                # the two gives a field waits for the flags the user typed (`explicit_flags`, set after parsing).
-                known = self.sparse_attention and self.sparse_config is None
-                check_schedule_flags(self.cp_schedule, self.sparse_attention_config() if known else None,
-                                     self.max_steps, self.context_parallel_config())
+                self.check_schedule(self.max_steps)
             cp_size = max(cp_size for _, cp_size in self.cp_degrees())
             if cp_size > 1:
                 check_training_arguments(self, cp_size)

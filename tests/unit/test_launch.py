@@ -171,6 +171,25 @@ def test_a_schedule_stage_s_cp_degree_is_refused_before_its_length(tmp_path, mon
                                 cp_schedule="0:256:1,5:256:3")
 
 
+def test_a_schedule_over_a_pattern_file_is_checked_once_the_typed_flags_are_known(tmp_path, monkeypatch):
+    """With a --sparse_config file, which of the file and a flag gives a pattern field waits for the flags typed; the
+    launcher checked a schedule's lengths against the merged pattern (`PluginArguments.check_schedule`) once they were
+    known, and the Trainer's arguments never did, leaving `--sparse_config trial` (64-token blocks) with a 192-token
+    stage over 2 CP ranks to every process once it had built its data and model."""
+    from hf_sparse_cp.trainer.plugin_arguments import parsing_typed_flags
+    from hf_sparse_cp.trainer.sparse_trainer import SparseTrainingArguments
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    flags = dict(output_dir=str(tmp_path), use_cpu=True, max_steps=4, sparse_config="trial",
+                 cp_schedule="0:128:1,2:192:2")
+    with parsing_typed_flags(flags), pytest.raises(ValueError, match=re.escape(
+        "cp_schedule stage 1 (2:192:2): seq_len=192 does not split into whole blocks of 64 tokens over 2 CP ranks")):
+        SparseTrainingArguments(**flags)
+    with parsing_typed_flags({*flags, "sparse_block_size"}):  # the typed flag beats the file: 3 blocks of 32 a rank
+        assert SparseTrainingArguments(**flags, sparse_block_size=32).sparse_attention_config().block_size == 32
+    SparseTrainingArguments(**flags)  # (built in code, no flags typed: which value the run takes is not known yet)
+
+
 def test_the_command_splits_at_the_script_path():
     assert split_command(["--smet", "train.py", "--smet", "x.py"]) == (["--smet"], "train.py", False, ["--smet",
                                                                                                        "x.py"])
