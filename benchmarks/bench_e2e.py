@@ -398,6 +398,12 @@ def run_one(spec: dict) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         generator = torch.Generator().manual_seed(spec["seed"])
         input_ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=generator).to(device)
+        if spec["torch_compile"]:
+            from hf_sparse_cp.integration.kernel_routing import unroute_kernel_funcs
+
+            # (the plugin's set-up skips the Hub kernels package's routing, a graph break per checkpointed layer; the
+            # baselines skip it too, so that the runs differ by their attention and fused ops only)
+            unroute_kernel_funcs(model)
         # accelerate's prepare does this for a Trainer with --torch_compile (its TorchDynamoPlugin: inductor, no mode)
         step_model = torch.compile(model, backend="inductor") if spec["torch_compile"] else model
         result["torch_compile"] = spec["torch_compile"]

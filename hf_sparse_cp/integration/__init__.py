@@ -20,6 +20,8 @@ calls through them (`upstream.py`).
   batch's outputs under context parallelism;
 * `composite.py`: the backend selected for a composite model's language model, its towers keeping their attention;
 * `kv_sharing.py`: Gemma 4's KV-shared layers handed their inputs whole under sparse_cp (not sliced as 4D-masked);
+* `kernel_routing.py`: modules routing functions through the Hub's `kernels` package skip it while none is
+  kernelized (a compiled, activation-checkpointed layer then traces whole);
 * `stats.py`: the per-layer kept fraction the backend records;
 * `given.py`: the public entry points' first argument checked for its type (a TypeError naming what to pass);
 * `patching.py`: `PatchSet`, the recorder every change to someone else's object goes through;

@@ -43,7 +43,7 @@ from .trainer_losses import GENERATING, WHOLE_ROW_EXPERIMENTAL
 # num_items_in_batch).
 TESTED_VERSIONS = {"transformers": ("5.15", "5.25"), "accelerate": ("1.10", "1.16"), "torch": ("2.6", "2.13"),
                    "triton": ("3.6", "3.9"), "trl": ("1.16", "1.16"), "liger_kernel": ("0.8.5", "0.8.5"),
-                   "peft": ("0.21", "0.21")}
+                   "peft": ("0.21", "0.21"), "kernels": ("0.19", "0.19")}
 
 # Names of the private methods the plugin replaces or calls on a Trainer / Accelerator instance.
 TRAINER_CP_INPUTS = "_prepare_context_parallel_inputs"
@@ -369,8 +369,14 @@ PATCHES = (
     Patch("torch.nn.Module", "forward", "replaces", "fused ops: a decoder layer's norms and dense MLP of an "
           "architecture outside the token tiles' classes (a norm without submodules, an MLP of linear layers and "
           "activations: `integration.fused_ops.compiled_modules`) run through torch.compile (--sparse_fused_ops "
-          "compile), on the model's own instances",
-          "integration.fused_ops.disable_fused_ops(model) / disable_sparse_attention(model)"),
+          "compile), on the model's own instances; and a module routing functions through the Hub's kernels package "
+          "(`kernels.use_kernelized_func`) skips the routing while none of them is kernelized, which an "
+          "activation-checkpointed layer's trace refuses as a side effect (`integration.kernel_routing`)",
+          "integration.fused_ops.disable_fused_ops(model) / integration.kernel_routing.route_kernel_funcs(model) / "
+          "disable_sparse_attention(model)"),
+    Patch("kernels", "use_kernelized_func", "reads", "a module whose class it decorated keeps its functions' private "
+          "copies in `_kernel_funcs` (kernelized: a forward of their own) and its class's forward as the routing "
+          "wrapper's `__wrapped__` (`integration.kernel_routing`)"),
     *(Patch(module, "load_balancing_loss_func", "replaces", "a MoE router's load-balancing loss is not a sum over "
             "tokens: under CP the wrapper computes it from the router logits gathered over the CP group, as one "
             "process (`trainer.router_loss`; process-wide, while CP is on; every installed modeling module whose "

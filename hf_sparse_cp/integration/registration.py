@@ -18,6 +18,7 @@ from .forward_positions import pass_positions_on
 from .given import require_model
 from .heads import PADDING_READING_HEADS, mark_padding_read, model_head, pass_padding_rows_on, unmark_padding_read
 from .interfaces import registered_for_a_check
+from .kernel_routing import route_kernel_funcs, unroute_kernel_funcs
 from .kv_sharing import slice_kv_sharing, unslice_kv_sharing
 from .layer_settings import parse_layer_configs
 from .models import (
@@ -145,7 +146,9 @@ def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:
     on the decoder of a question-answering or sequence-classification model hands the attention calls the rows whose
     padding its head reads, which then attend as SDPA's (`heads.pass_padding_rows_on`; every row's where a layer does
     not hand them on, and for a head of an architecture's own: `heads.mark_padding_read`), and
-    a model that slices its KV-shared layers' inputs as 4D-masked ones hands them on whole (`kv_sharing`). The hooks are
+    a model that slices its KV-shared layers' inputs as 4D-masked ones hands them on whole (`kv_sharing`), and a module
+    routing functions through the Hub's `kernels` package skips it while none is kernelized, which a compiled
+    checkpointed layer could not trace (`kernel_routing`). The hooks are
     module-level functions, so they go with copies of the model (pickle, `copy.deepcopy`). Returns the call that removes
     them, or None when the model already has them."""
     if model.__dict__.get(_GUARD):
@@ -162,6 +165,7 @@ def guard_registration(model: torch.nn.Module) -> Callable[[], None] | None:
             mark_padding_read(decoder, head)
     handles += hook_length_counted_tables(model)
     unslice_kv_sharing(model)
+    unroute_kernel_funcs(model)
     model.__dict__[_GUARD] = True
     return functools.partial(_remove_guard, model, handles)
 
@@ -206,4 +210,5 @@ def _remove_guard(model: torch.nn.Module, handles: list[RemovableHandle]) -> Non
     unhook(model)
     unmark_padding_read(model)
     slice_kv_sharing(model)
+    route_kernel_funcs(model)
     model.__dict__.pop(_GUARD, None)
