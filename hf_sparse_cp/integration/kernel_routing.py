@@ -27,17 +27,15 @@ def _routing_forward(cls: type) -> bool:
 
 
 class _UnroutedForward(ReplacedForward):
-    """The class's own forward while none of the module's functions is kernelized, else the routing one."""
-
-    def __init__(self, module: torch.nn.Module, own) -> None:
-        super().__init__(module)
-        self.own = own
+    """The class's own forward (the routing wrapper's `__wrapped__`, read at each call: a copy of the model pickles
+    the class by name, not the wrapped function, which its module no longer holds) while none of the module's
+    functions is kernelized, else the routing one."""
 
     def __call__(self, *args, **kwargs):
         # (`kernelize` gives a kernelized function's private copy a forward of its own)
         if any("forward" in func.__dict__ for func in self.module.__dict__["_kernel_funcs"].values()):
             return self.replaced(*args, **kwargs)
-        return self.own(self.module, *args, **kwargs)
+        return type(self.module).forward.__wrapped__(self.module, *args, **kwargs)
 
 
 def unroute_kernel_funcs(model: torch.nn.Module) -> int:
@@ -50,11 +48,11 @@ def unroute_kernel_funcs(model: torch.nn.Module) -> int:
     for module in model.modules():
         cls = next(c for c in type(module).__mro__ if "forward" in c.__dict__)  # (the forward a call runs)
         if _routing_forward(cls) and "_kernel_funcs" in module.__dict__ and "forward" not in module.__dict__:
-            found.append((module, cls.__dict__["forward"].__wrapped__))
+            found.append(module)
     if found:
         patches = record_on(model, _FEATURE)
-        for module, own in found:
-            patches.set_attr(module, "forward", _UnroutedForward(module, own))
+        for module in found:
+            patches.set_attr(module, "forward", _UnroutedForward(module))
     return len(found)
 
 

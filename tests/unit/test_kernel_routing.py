@@ -3,6 +3,8 @@ while none is kernelized (`integration.kernel_routing`): that routing is a side 
 activation-checkpointed layer refuses, so each checkpointed layer of a compiled model broke the graph
 (`tests/unit/test_torch_compile.py` counts the graphs)."""
 
+import copy
+import io
 import types
 
 import pytest
@@ -36,6 +38,13 @@ def test_the_registration_guard_skips_the_routing_and_its_removal_restores_it():
     unguard = guard_registration(model)  # (what configure adds to a model it switches to sparse_cp)
     assert all("forward" in m.__dict__ for m in routed) and len(routed) == 2
     torch.testing.assert_close(model(input_ids=ids).logits, reference, rtol=0, atol=0)  # (the same function runs)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # (a copy gets its own forwards: pickled, the class's function found by name)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        forwards = [m.__dict__["forward"] for m in _routed(copied)]
+        assert len(forwards) == 2 and all(f.module is m for f, m in zip(forwards, _routed(copied), strict=True))
+        torch.testing.assert_close(copied(input_ids=ids).logits, reference, rtol=0, atol=0)
     unguard()
     assert not any("forward" in m.__dict__ for m in routed)
     assert unroute_kernel_funcs(model) == 2 and route_kernel_funcs(model) and not route_kernel_funcs(model)
