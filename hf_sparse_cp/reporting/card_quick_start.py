@@ -124,7 +124,8 @@ def _adapter_quick_start(peft_model: Any, sparse: SparseAttentionConfig | None, 
     loader = _loader(peft_model.get_base_model())
     where = f"its base model, `{base}` (named in adapter_config.json)" if base else \
         "the base model it was trained on (adapter_config.json names none)"
-    lines = [f"This folder holds a PEFT adapter (adapter_config.json and its weights), not a whole model: load it onto "
+    # (not "this folder holds": the card may be written before the adapter is saved, or load the last checkpoint's)
+    lines = [f"The model is a PEFT adapter (adapter_config.json and its weights), not a whole model: load it onto "
              f"{where} with `peft`. It loads and {_runs(loader)} without `hf-sparse-cp`, with any attention "
              "implementation:", "", "```python", "from peft import PeftModel",
              *([f"from transformers import {_imports(loader.name if base else None, tokenizer)}"]

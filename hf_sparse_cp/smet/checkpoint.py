@@ -20,12 +20,17 @@ STATE_FIELDS = ("mode", "density", "block_size")
 REPLACED_KEY = "smet_last_replaced_fraction"
 
 
+class SavedStateMismatch(ValueError):
+    """A saved SMET state that does not fit this optimizer (saved by another optimizer, or with other settings, target
+    modules or weights): the checkpoint's, which the message names the fix for, not a bug."""
+
+
 def check_saved_groups(saved_groups: list[dict[str, Any]], groups: list[dict[str, Any]]) -> None:
     """Refuse a saved optimizer state that SMET did not save, or whose parameter groups (`saved_groups`) hold other
     numbers of parameters than ours (`groups`), naming the fix."""
     if not any("smet" in saved for saved in saved_groups):
         # (a stock optimizer's state: its groups would be refused below as grouped otherwise, naming a wrong fix)
-        raise ValueError(
+        raise SavedStateMismatch(
             "The checkpoint's optimizer state was not saved by SMET (its parameter groups carry no 'smet' flag: "
             "another optimizer saved it, e.g. torch's AdamW in a run without --smet), so it has no SMET masks "
             "or compact moments: resume that checkpoint without --smet, or start SMET from its weights without "
@@ -36,7 +41,7 @@ def check_saved_groups(saved_groups: list[dict[str, Any]], groups: list[dict[str
     ):
         targets = _saved_targets(saved_groups)
         differ = targets and targets != _saved_targets(groups)  # (else: the same targets, another model)
-        raise ValueError(
+        raise SavedStateMismatch(
             "The saved optimizer has a different parameter grouping "
             f"({[len(s['params']) for s in saved_groups]} vs "
             f"{[len(g['params']) for g in groups]} parameters per group); build the optimizer "
@@ -55,7 +60,7 @@ def check_settings(saved_group: dict[str, Any], settings: dict[str, Any]) -> Non
         if key in saved_group and saved_group[key] != value
     ]
     if differ:
-        raise ValueError(
+        raise SavedStateMismatch(
             f"The checkpoint's SMET optimizer state was saved with {', '.join(differ)}; resume with the same "
             "SMET settings (e.g. the same --smet_density and --smet_block_size), or start a new run from the "
             "saved model without its optimizer state."
@@ -88,7 +93,7 @@ def check_names(saved_groups: list[dict[str, Any]], groups: list[dict[str, Any]]
         for old, new in zip(saved["param_names"], group["param_names"]):
             if not _same_weight(old, new):
                 targets = _saved_targets(saved_groups)
-                raise ValueError(
+                raise SavedStateMismatch(
                     f"The checkpoint's optimizer state was saved for {old} where this run has {new} "
                     f"({'sparse' if group['smet'] else 'dense'} parameters): resume with the same target_modules "
                     f"(the checkpoint's sparse weights: {targets}), e.g. --smet_target_modules {','.join(targets)}, "
@@ -124,7 +129,7 @@ def loaded_state(param: torch.Tensor, saved: dict[str, Any], grid: BlockGrid | N
         expected = {name: (tuple(shard.shape), param.dtype) for name in DENSE_STATE}
     missing = set(expected) - set(saved)
     if missing:
-        raise ValueError(
+        raise SavedStateMismatch(
             f"Saved optimizer state lacks {sorted(missing)} for a {'sparse' if sparse else 'dense'} parameter; "
             "it was saved with another optimizer or SMET mode."
         )
@@ -132,7 +137,7 @@ def loaded_state(param: torch.Tensor, saved: dict[str, Any], grid: BlockGrid | N
     for name, (shape, dtype) in expected.items():
         value = local_rows_of(param, saved[name])
         if tuple(value.shape) != tuple(shape):
-            raise ValueError(
+            raise SavedStateMismatch(
                 f"Saved SMET state {name!r} has local shape {tuple(value.shape)}, expected {tuple(shape)}: the "
                 "checkpoint was written for weights of other shapes, or with another density or block_size; "
                 "resume with the same model and SMET config."
@@ -143,7 +148,7 @@ def loaded_state(param: torch.Tensor, saved: dict[str, Any], grid: BlockGrid | N
     if sparse and state["block_index"].numel():
         index = state["block_index"]
         if int(index.min()) < 0 or int(index.max()) >= grid.blocks_per_row:
-            raise ValueError("Saved SMET block index is out of range for this parameter; wrong checkpoint?")
+            raise SavedStateMismatch("Saved SMET block index is out of range for this parameter; wrong checkpoint?")
     return state
 
 

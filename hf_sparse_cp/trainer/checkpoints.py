@@ -48,6 +48,7 @@ from ..integration import compat, compat_checks
 from ..integration.architectures import transformers_release
 from ..integration.patching import PatchSet, temporarily
 from ..resharding.resume import SHARDED_STATE, has_sharded_state, resharded_loading, runs_fsdp2, sharded_saving
+from ..smet.checkpoint import SavedStateMismatch
 from ..smet.factory import SMETOptimizerFactory
 from .arguments import flag_errors
 from .callbacks import StepMetricsCallback
@@ -491,6 +492,9 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
                 if marker is not None and _other_layout(marker.get("settings", {}),
                                                         run_settings(trainer, parallel, cp_schedule)):
                     loading.enter_context(first_rank_rng_loading(trainer))
+                # (a SMET state saved with other target modules, which the marker does not record, is refused as the
+                # optimizer loads it: a bad flag too, not a traceback from every rank)
+                loading.enter_context(flag_errors((SavedStateMismatch,)))
                 return train(resume_from_checkpoint, *args, **kwargs)
         except Exception as e:
             saving = Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"

@@ -113,6 +113,28 @@ def test_a_damaged_or_mismatched_checkpoint_is_refused_before_loading(saved, tmp
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # nothing was loaded
 
 
+def test_a_smet_state_saved_with_other_target_modules_is_refused_as_a_bad_flag(tmp_path):
+    """The marker records SMET's mode, density and block size, not its target modules: a resume with other
+    --smet_target_modules was refused as the optimizer loaded its state, naming the fix, but as a bug (a traceback
+    from every rank and exit status 1 in a launched run, where a checkpoint saved with other SMET settings ends as a
+    bad flag does)."""
+    from hf_sparse_cp import install_smet
+    from hf_sparse_cp.smet import SMETConfig
+    from hf_sparse_cp.trainer.arguments import is_flag_error
+
+    def smet_trainer(out, targets):
+        trainer = _trainer(out, max_steps=2)
+        install_smet(trainer, SMETConfig(density=0.5, block_size=8, update_interval=2, target_modules=targets))
+        return trainer
+
+    smet_trainer(tmp_path / "run", ["q_proj", "v_proj", "up_proj"]).train()
+    resumed = smet_trainer(tmp_path / "resume", ["q_proj"])
+    named = "different parameter grouping.*--smet_target_modules q_proj,up_proj,v_proj"
+    with pytest.raises(ValueError, match=named) as refused:
+        resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert is_flag_error(refused.value)
+
+
 def test_a_model_only_checkpoint_is_refused_naming_its_weights(tmp_path):
     """--save_only_model keeps no optimizer, scheduler or RNG state; the resume went on silently with a new AdamW and
     a restarted schedule (the CP 2 demo's step 4: loss 4.565 where the run trained 4.335)."""

@@ -409,6 +409,24 @@ def _python_blocks(card: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```$", card, re.MULTILINE | re.DOTALL)
 
 
+def test_the_card_of_a_lora_run_says_no_folder_holds_an_adapter_none_saved_there(tmp_path):
+    """A LoRA run's card written before its adapter was saved said that no model was saved in the output folder, then
+    "This folder holds a PEFT adapter" (so did one loading the last checkpoint, which is not that folder)."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+
+    from hf_sparse_cp.reporting.card_quick_start import quick_start
+
+    model = get_peft_model(AutoModelForCausalLM.from_config(tiny_config("llama")),
+                           LoraConfig(r=4, target_modules=["q_proj"]))
+    trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path)), processing_class=None,
+                              data_collator=None, accelerator=SimpleNamespace(unwrap_model=lambda m: m), model=model)
+    card = "\n".join(quick_start(trainer, None, tmp_path))
+    assert f"No model was saved in `{tmp_path}`" in card and "This folder holds" not in card
+    assert "The model is a PEFT adapter (adapter_config.json and its weights), not a whole model" in card
+
+
 def test_the_card_of_a_lora_run_loads_the_adapter_as_it_says(tmp_path, monkeypatch):
     """A LoRA run saves an adapter (adapter_config.json and its weights, no config.json): its card keeps the pattern
     itself, loads the adapter onto its base model (both quick-start snippets run as written, the second one with the
