@@ -20,7 +20,8 @@ Some differences are resumed rather than refused: another data-parallel or conte
 a curriculum, another world size), when both runs train with FSDP2 (the checkpoint then holds its
 sharded state, `resharding/resume.py`) and the global batch (per-device batch x gradient accumulation x
 DP degree; under a curriculum, every stage's) is the saved one, so that step k still trains on the
-samples it trained on before.
+samples it trained on before. So is a curriculum's schedule changed from the checkpoint's step on (stages added,
+changed or dropped that start at that step or later: `_schedule_change`), whose earlier steps trained as they did.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from ..smet.checkpoint import SavedStateMismatch
 from ..smet.factory import SMETOptimizerFactory
 from .arguments import flag_errors
 from .callbacks import StepMetricsCallback
+from .schedule import parse_schedule
 
 try:
     import resource  # (POSIX: the file-size limit)
@@ -304,11 +306,20 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], marker: dict[
                          "schedule and data position of one cannot continue the other. Resume with the flags it was "
                          f"saved with, or start a new run from its weights (--model_name_or_path {folder}: the "
                          "optimizer and the schedule start over).")
+    if "cp_schedule" in saved and saved["cp_schedule"] != settings["cp_schedule"]:
+        why = _schedule_change(saved["cp_schedule"], settings["cp_schedule"], marker["step"])
+        if why is not None:
+            raise ValueError(f"Checkpoint {str(folder)!r} was saved at step {marker['step']} with --cp_schedule "
+                             f"{saved['cp_schedule']!r}, but this run has {settings['cp_schedule']!r}: {why} Resume "
+                             "with the schedule it was saved with, changing or adding only stages that start at step "
+                             f"{marker['step']} or later, or start a new run from its weights (--model_name_or_path "
+                             f"{folder}: the optimizer and the schedule start over).")
     # A state that does not depend on the processes (DDP's or one process's: the weights and optimizer whole in the
     # main process's files, every rank loading the same) continues at another degree as the sharded one does.
     whole = not sharded and _whole_state(folder)
     for key, value in settings.items():
-        if key in _BATCHES or saved.get(key) == value or (key in _RESHARDABLE and (sharded or whole)):
+        if key in _BATCHES or key == "cp_schedule" or saved.get(key) == value or \
+                (key in _RESHARDABLE and (sharded or whole)):
             continue
         hint = ""
         if key in _RESHARDABLE:
@@ -329,6 +340,27 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], marker: dict[
         if batch is not None and saved.get(key, batch) != batch:
             raise ValueError(_other_global_batch(folder, saved[key], settings))
     return sharded
+
+
+def _schedule_change(saved: str, now: str, step: int) -> str | None:
+    """Why a run with the --cp_schedule `now` cannot continue exactly a checkpoint saved after `step` steps of one
+    with `saved`, or None where it can: the stages that trained steps 0 to step - 1 are unchanged and every stage
+    changed, added or removed starts at `step` or later. Each step's stage and samples (`StageBatchSampler`) follow
+    from the stages up to its own (an epoch start too: from the samples the stages before it took), so the steps
+    before the checkpoint are those `now` trains, and the steps after it those of an uninterrupted run of `now`."""
+    old, new = parse_schedule(saved), parse_schedule(now)
+    same = next((i for i, (a, b) in enumerate(zip(old, new)) if a.text != b.text), min(len(old), len(new)))
+    differ = [(stages[same], whose) for stages, whose in ((old, "the saved schedule"), (new, "this run's"))
+              if same < len(stages)]
+    said = " and ".join(f"{stage.text} in {whose}" for stage, whose in differ)
+    if any(stage.from_step is None for stage, _ in differ):  # (the data resolve it into a step: the marker says none)
+        return (f"stage {same} differs ({said}) and starts at an epoch, which the data resolve into a step, so "
+                "whether it starts after the checkpoint cannot be checked; write its start as a step.")
+    first = min((stage.from_step for stage, _ in differ), default=step)
+    if first < step:
+        return (f"stage {same} differs ({said}) from step {first} on, before the checkpoint's step {step}: the steps "
+                "before the checkpoint trained with the saved stages.")
+    return None
 
 
 def _whole_state(folder: Path) -> bool:

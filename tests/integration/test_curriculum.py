@@ -586,6 +586,34 @@ def test_a_cp_switch_trains_on_embeddings_as_on_their_token_ids(tmp_path):
             torch.testing.assert_close(weights[name], want, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def _extended_after_checkpoint(rank: int, world: int, out: str, scheduler: str) -> dict:
+    """`0:128:1,2:256:2` (4 steps) saving checkpoint-3, resumed with a stage added at step 3 and --max_steps 5; and
+    the extended schedule uninterrupted. Rank 0's losses, final weights and forwards of each."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    samples, short, extended = _samples(), "0:128:1,2:256:2", "0:128:1,2:256:2,3:256:1"
+    common = dict(lr_scheduler_type=scheduler)
+    results = {"whole": _train(_args(os.path.join(out, "whole"), False, cp_schedule=extended, max_steps=5,
+                                     **common), samples)}
+    saved = os.path.join(out, "saved")
+    _train(_args(saved, False, cp_schedule=short, max_steps=4, save_strategy="steps", save_steps=3, **common),
+           samples)
+    results["resumed"] = _train(_args(saved, False, cp_schedule=extended, max_steps=5, **common), samples,
+                                os.path.join(saved, "checkpoint-3"))
+    return results if rank == 0 else {}
+
+
+def test_a_stage_added_after_the_checkpoint_resumes_as_the_extended_run_uninterrupted(tmp_path):
+    """A checkpoint resumed with a --cp_schedule that adds a stage from its step on (--max_steps raised) was refused
+    as another layout; the steps before it trained with the same stages and samples, so it continues exactly (an LR
+    schedule that does not depend on --max_steps: a decaying one changes with it)."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    results = run_gloo(_extended_after_checkpoint, 2, str(tmp_path), "constant", timeout_s=300)[0]
+    # steps 4 and 5 in the added stage (CP 1 x DP 2: 256-token samples, unsplit)
+    assert results["resumed"][2] == results["whole"][2][3:] == [(256, 1, None, 16)] * 2
+    _assert_same(results["resumed"], ({s: results["whole"][0][s] for s in (4, 5)}, results["whole"][1]), (4, 5))
+
+
 # ---- one process: what a stage trains, and what it leaves behind (issue #31) ----
 
 

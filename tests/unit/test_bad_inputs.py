@@ -544,6 +544,40 @@ def test_a_checkpoint_saved_without_fsdp_is_refused_by_an_fsdp2_run(tmp_path):
     assert check_checkpoint(tmp_path, settings, read_marker(tmp_path), reshardable=True) is False
 
 
+@pytest.mark.parametrize("schedule, refused", [
+    ("0:128:1,2:256:2,3:256:1", None),  # a stage from the checkpoint's step on
+    ("0:128:1,2:256:2,5:512:1", None),
+    ("0:128:1,2:256:2,4:512:4", None),  # the saved run's stage after the checkpoint changed
+    ("0:128:1,2:256:2", None),  # ... or dropped
+    ("0:128:1,3:256:2", "stage 1 differs (2:256:2 in the saved schedule and 3:256:2 in this run's) from step 2 on, "
+                        "before the checkpoint's step 3: the steps before the checkpoint trained with the saved "
+                        "stages. Resume with the schedule it was saved with, changing or adding only stages that "
+                        "start at step 3 or later"),
+    ("0:128:1,2:256:2:vertical_topk=32", "stage 1 differs (2:256:2 in the saved schedule and "
+                                         "2:256:2:vertical_topk=32 in this run's) from step 2 on"),
+    ("0:128:1,1:128:2,2:256:2", "stage 1 differs (2:256:2 in the saved schedule and 1:128:2 in this run's) from "
+                                "step 1 on"),
+    ("0:128:1,2:256:2,2ep:512:1", "stage 2 differs (4:512:2 in the saved schedule and 2ep:512:1 in this run's) and "
+                                  "starts at an epoch, which the data resolve into a step"),
+])
+def test_a_curriculum_checkpoint_resumes_with_stages_changed_only_after_its_step(tmp_path, schedule, refused):
+    """A --cp_schedule extended after the checkpoint's step was refused as another parallel layout, though the steps
+    before it trained with the same stages and samples; a stage changed before it still is, naming the stage."""
+    from hf_sparse_cp.trainer.checkpoints import MARKER, check_checkpoint, read_marker
+
+    def settings(text: str) -> dict:
+        return {"cp_schedule": text, "world_size": 2, "smet": None, "world_batch_size": 2}
+
+    (tmp_path / MARKER).write_text(json.dumps({"complete": True, "step": 3, "files": {},
+                                               "settings": settings("0:128:1,2:256:2,4:512:2")}))
+    if refused is None:
+        assert check_checkpoint(tmp_path, settings(schedule), read_marker(tmp_path)) is False
+        return
+    with pytest.raises(ValueError, match=re.escape(f"saved at step 3 with --cp_schedule '0:128:1,2:256:2,4:512:2', "
+                                                   f"but this run has '{schedule}': {refused}")):
+        check_checkpoint(tmp_path, settings(schedule), read_marker(tmp_path))
+
+
 def _argument_class(kind: str):
     if kind == "sft":
         pytest.importorskip("trl")
