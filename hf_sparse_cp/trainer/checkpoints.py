@@ -153,15 +153,19 @@ class AgreedJitCheckpoint(TrainerCallback):
             control.should_save = control.should_training_stop = True
 
 
-def resumed_folder(output_dir: str) -> str | None:
-    """The checkpoint `resume_from_checkpoint=True` resumes from: the newest complete one of `output_dir` (None where
-    it holds no checkpoint: the Trainer's own error follows). The Trainer takes the newest folder, which a run
-    that ended while saving leaves incomplete: a requeued job passing True would stop there at every start, so the
-    newer incomplete ones are passed over with a warning (left on disk: a save of their step writes them anew);
-    refused when no complete one is left."""
+def resumed_folder(output_dir: str) -> str:
+    """The checkpoint `resume_from_checkpoint=True` resumes from: the newest complete one of `output_dir`. The
+    Trainer takes the newest folder, which a run that ended while saving leaves incomplete: a requeued job passing
+    True would stop there at every start, so the newer incomplete ones are passed over with a warning (left on disk: a
+    save of their step writes them anew); refused when no complete one is left, or none is there (the Trainer's own
+    error, a traceback from every rank, named no fix)."""
     folder, passed = newest_complete_checkpoint([output_dir]) if os.path.isdir(output_dir) else (None, [])
+    if folder is None and not passed:
+        raise ValueError(f"resume_from_checkpoint=True: {output_dir!r} holds no checkpoint ({PREFIX_CHECKPOINT_DIR}-N "
+                         "folder) to resume from: drop --resume_from_checkpoint to train from the start, or give a "
+                         "checkpoint's path (--resume_from_checkpoint PATH).")
     names = ", ".join(path.name for path in passed)
-    if passed and folder is None:
+    if folder is None:
         raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {output_dir!r}: {names} "
                          f"{'is' if len(passed) == 1 else 'are'} incomplete (the run ended while saving). Delete "
                          f"{'it' if len(passed) == 1 else 'them'} to train from the start, or resume from another "
@@ -169,7 +173,7 @@ def resumed_folder(output_dir: str) -> str | None:
     if passed:
         logger.warning("resume_from_checkpoint=True: resuming from %s, the newest complete checkpoint; passed over %s "
                        "(incomplete: the run ended while saving).", folder, names)
-    return None if folder is None else str(folder)
+    return str(folder)
 
 
 def resume_step_metrics(trainer: Trainer, marker: dict[str, Any] | None) -> None:
@@ -507,8 +511,7 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
         try:
             with flag_errors():  # (a checkpoint that does not fit the run's flags: refused as a bad flag)
                 if folder is True:  # (None: the Trainer's own error follows)
-                    folder = resumed_folder(trainer.args.output_dir)
-                    resume_from_checkpoint = folder or True
+                    folder = resume_from_checkpoint = resumed_folder(trainer.args.output_dir)
                 marker = read_marker(folder) if folder else None  # (read once: checked, then resumed from)
                 reshard = bool(folder) and check_checkpoint(folder, run_settings(trainer, parallel, cp_schedule),
                                                             marker, reshardable=runs_fsdp2(trainer))

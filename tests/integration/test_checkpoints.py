@@ -20,6 +20,7 @@ from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_train
 from hf_sparse_cp.integration.architectures import transformers_release
 from hf_sparse_cp.testing.spawn import launch_cli, run_cli
 from hf_sparse_cp.testing.tiny_models import tiny_config
+from hf_sparse_cp.trainer.arguments import is_flag_error
 from hf_sparse_cp.trainer.checkpoints import CPU_PROCESSES_RESUME_SINCE, MARKER, CheckpointMarkerCallback
 
 
@@ -214,6 +215,11 @@ def test_resume_true_passes_over_an_incomplete_newest_checkpoint_for_the_newest_
                                          ".*Delete them to train from the start"):
         again.train(resume_from_checkpoint=True)
     assert all(torch.equal(a, b) for a, b in zip(before, again.model.parameters()))  # nothing was loaded
+    # none at all (a requeued job's first start): the Trainer's "No valid checkpoint found", a traceback per rank
+    with pytest.raises(ValueError, match=r"holds no checkpoint \(checkpoint-N folder\) to resume from: drop "
+                                         "--resume_from_checkpoint to train from the start") as refused:
+        _trainer(tmp_path / "empty").train(resume_from_checkpoint=True)
+    assert is_flag_error(refused.value)  # (under the launcher: the message once, exit status 2)
 
 
 def test_resume_from_checkpoint_true_as_a_script_passes_it_takes_the_newest_complete_checkpoint(saved, tmp_path,
