@@ -508,13 +508,14 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
     def checked_train(resume_from_checkpoint=None, *args, **kwargs):
         resume_from_checkpoint = _as_flag(resume_from_checkpoint)
         folder = resume_from_checkpoint
+        settings = run_settings(trainer, parallel, cp_schedule)
         try:
             with flag_errors():  # (a checkpoint that does not fit the run's flags: refused as a bad flag)
-                if folder is True:  # (None: the Trainer's own error follows)
+                if folder is True:  # (the newest complete checkpoint; refused where there is none)
                     folder = resume_from_checkpoint = resumed_folder(trainer.args.output_dir)
                 marker = read_marker(folder) if folder else None  # (read once: checked, then resumed from)
-                reshard = bool(folder) and check_checkpoint(folder, run_settings(trainer, parallel, cp_schedule),
-                                                            marker, reshardable=runs_fsdp2(trainer))
+                reshard = bool(folder) and check_checkpoint(folder, settings, marker,
+                                                            reshardable=runs_fsdp2(trainer))
                 if folder:
                     check_weights_fit(Path(folder), trainer.model)
                 if folder and not reshard:  # (a resharded resume takes the optimizer from the sharded state)
@@ -524,8 +525,7 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
             with contextlib.ExitStack() as loading:
                 if reshard:
                     loading.enter_context(resharded_loading(trainer))
-                if marker is not None and _other_layout(marker.get("settings", {}),
-                                                        run_settings(trainer, parallel, cp_schedule)):
+                if marker is not None and _other_layout(marker.get("settings", {}), settings):
                     loading.enter_context(first_rank_rng_loading(trainer))
                 # (a SMET state saved with other target modules, which the marker does not record, is refused as the
                 # optimizer loads it: a bad flag too, not a traceback from every rank)
