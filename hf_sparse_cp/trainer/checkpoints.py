@@ -12,7 +12,8 @@ takes the newest folder: a run that dies while saving leaves a folder that looks
 `train(resume_from_checkpoint=True)` takes the newest complete checkpoint (the Trainer's choice, the newest
 folder, may be one still in progress), and `train(resume_from_checkpoint=...)` checks the checkpoint before anything
 is loaded: a marker still in progress, a missing or resized file, a checkpoint of `--save_only_model` (no optimizer,
-schedule or random state to continue from), or settings that differ from this run's are an error that names the cause. A
+schedule or random state to continue from), settings that differ from this run's, or a PEFT adapter of other tensors
+(other LoRA target modules or rank: `check_adapter_fits`) are an error that names the cause. A
 checkpoint without a marker (written without the plugin) is loaded as the Trainer would, with a warning that
 nothing could be checked.
 
@@ -33,6 +34,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +44,7 @@ import torch
 from accelerate.utils.constants import FSDP_MODEL_NAME
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import ADAPTER_CONFIG_NAME, ADAPTER_SAFE_WEIGHTS_NAME
 
 from ..checkpoint_marker import MARKER, newest_complete_checkpoint, read_marker
 from ..distributed import ParallelDims
@@ -410,17 +413,60 @@ def check_weights_fit(folder: Path, model: Any) -> None:
     path = folder / "model.safetensors"
     if not path.is_file():
         return
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    for name, shape in _shapes(path).items():
+        if name in shapes and shapes[name] != shape:
+            raise ValueError(f"Checkpoint {str(folder)!r} was saved by another model: its {name} is "
+                             f"{list(shape)}, this model's {list(shapes[name])}. Resume with the model it was "
+                             f"trained with (its config.json), or start a new run from its weights "
+                             f"(--model_name_or_path {folder}).")
+
+
+def check_adapter_fits(folder: Path, model: Any) -> None:
+    """Raise ValueError, naming a tensor and the adapter settings saved, when `model` is a PEFT model whose adapter
+    (the one the Trainer resumes, its first active one) has other tensors than the checkpoint `folder` saved: other
+    target modules, rank or modules to save (TRL's --lora_target_modules, --lora_r). The Trainer's load refuses those
+    only with a traceback from every rank (another rank: the adapter's "size mismatch"; another number of tensors: the
+    optimizer's parameter groups), and resumes as many target modules as saved but other ones silently, with one
+    tensor's optimizer state on another's. (A checkpoint without the adapter's file is left to the Trainer.)"""
+    peft = sys.modules.get("peft")  # (a model is a PEFT model only where `peft` was imported)
+    if peft is None or not isinstance(model, peft.PeftModel):
+        return
+    name = model.active_adapters[0]
+    # (the Trainer's load: the adapter's own subfolder where it has one, as PEFT saves an adapter not named "default")
+    path = next((p for p in (folder / name / ADAPTER_SAFE_WEIGHTS_NAME, folder / ADAPTER_SAFE_WEIGHTS_NAME)
+                 if p.is_file()), None)
+    if path is None:
+        return
+    # (PEFT's own choice of whether to save the embedding weights too may read the base model's config from the Hub)
+    ours = {key: tuple(tensor.shape) for key, tensor in
+            peft.get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False).items()}
+    base = model.state_dict().keys()  # (a run that resized the vocabulary saves the base model's embedding weights too)
+    saved = {key: shape for key, shape in _shapes(path).items() if key in ours or key not in base}
+    differ = ([f"its {key} is not in this run's adapter" for key in saved if key not in ours]
+              + [f"this run's {key} is not in it" for key in ours if key not in saved]
+              + [f"its {key} is {list(saved[key])}, this run's {list(ours[key])}" for key in saved
+                 if key in ours and saved[key] != ours[key]])
+    if not differ:
+        return
+    saved_config = path.parent / ADAPTER_CONFIG_NAME
+    config = json.loads(saved_config.read_text()) if saved_config.is_file() else {}
+    targets = config.get("target_modules")  # (a list, saved from PEFT's set in any order; or a regex, a string)
+    targets = " ".join(sorted(targets)) if isinstance(targets, list) else targets
+    flags = " ".join(f"--{flag} {value}" for flag, value in (("lora_target_modules", targets),
+                                                             ("lora_r", config.get("r"))) if value is not None)
+    raise ValueError(f"Checkpoint {str(folder)!r} holds a PEFT adapter with other tensors than this run's "
+                     f"({len(differ)} differ; e.g. {differ[0]}): its optimizer state cannot continue this run's "
+                     f"adapter. Resume with the adapter settings it was saved with ({saved_config}"
+                     f"{'; TRL: ' + flags if flags else ''}), or train from the start in a new --output_dir.")
+
+
+def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor of the safetensors file `path`, read from its header."""
     from safetensors import safe_open
 
-    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     with safe_open(str(path), framework="pt") as saved:
-        for name in saved.keys():
-            shape = tuple(saved.get_slice(name).get_shape())
-            if name in shapes and shapes[name] != shape:
-                raise ValueError(f"Checkpoint {str(folder)!r} was saved by another model: its {name} is "
-                                 f"{list(shape)}, this model's {list(shapes[name])}. Resume with the model it was "
-                                 f"trained with (its config.json), or start a new run from its weights "
-                                 f"(--model_name_or_path {folder}).")
+        return {name: tuple(saved.get_slice(name).get_shape()) for name in saved.keys()}
 
 
 # The transformers release whose Trainer resumes the optimizer of a run of several CPU processes: before it, it loads
@@ -518,6 +564,7 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
                                                             reshardable=runs_fsdp2(trainer))
                 if folder:
                     check_weights_fit(Path(folder), trainer.model)
+                    check_adapter_fits(Path(folder), trainer.model)
                 if folder and not reshard:  # (a resharded resume takes the optimizer from the sharded state)
                     check_optimizer_resumable(trainer)
             if folder:

@@ -33,11 +33,16 @@ class Rows(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def _trainer(out, model_config: dict | None = None, **kw) -> Trainer:
+def _trainer(out, model_config: dict | None = None, lora: dict | None = None, **kw) -> Trainer:
+    """A plugin Trainer of a tiny Llama; with `lora`, LoRA adapters of those settings (peft's LoraConfig) on it."""
     hf_sparse_cp.patch()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", **(model_config or {})))
     hf_sparse_cp.configure(model)
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(lora_dropout=0.0, task_type="CAUSAL_LM", **lora))
     kw = {"max_steps": 4, "save_strategy": "steps", "save_steps": 2, "logging_steps": 1, **kw}
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, report_to="none",
                              use_cpu=True, seed=0, **kw)
@@ -134,6 +139,34 @@ def test_a_smet_state_saved_with_other_target_modules_is_refused_as_a_bad_flag(t
     with pytest.raises(ValueError, match=named) as refused:
         resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     assert is_flag_error(refused.value)
+
+
+@pytest.mark.parametrize("resumed, differs", [
+    ({"target_modules": ["q_proj", "k_proj"]}, "its base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight is "
+                                               "not in this run's adapter"),
+    ({"target_modules": ["q_proj", "k_proj", "v_proj"]}, "this run's .*layers.0.self_attn.k_proj.lora_A.weight is not "
+                                                         "in it"),
+    ({"r": 8}, "its .*layers.0.self_attn.q_proj.lora_A.weight is \\[4, 128\\], this run's \\[8, 128\\]"),
+], ids=["other_targets", "more_targets", "other_rank"])
+def test_a_lora_checkpoint_resumed_with_other_adapter_settings_is_refused_as_a_bad_flag(tmp_path, resumed, differs):
+    """A LoRA run resumed with other target modules or rank (TRL's --lora_target_modules, --lora_r) ended with a
+    traceback from every rank (the adapter's "size mismatch", or the optimizer's "parameter group that doesn't match"),
+    or, with as many target modules as saved, resumed silently with v_proj's optimizer state on k_proj's adapter."""
+    saved = {"target_modules": ["q_proj", "v_proj"], "r": 4}
+    _trainer(tmp_path / "run", lora=saved, max_steps=2).train()
+    checkpoint = str(tmp_path / "run" / "checkpoint-2")
+    trainer = _trainer(tmp_path / "resume", lora={**saved, **resumed})
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    named = (f"holds a PEFT adapter with other tensors than this run's \\(\\d+ differ; e.g. {differs}\\).*Resume with "
+             "the adapter settings it was saved with .*adapter_config.json; TRL: --lora_target_modules q_proj v_proj "
+             "--lora_r 4\\), or train from the start in a new --output_dir")
+    with pytest.raises(ValueError, match=named) as refused:
+        trainer.train(resume_from_checkpoint=checkpoint)
+    assert is_flag_error(refused.value)  # (under the launcher: the message once, exit status 2)
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # nothing was loaded
+    again = _trainer(tmp_path / "again", lora=saved)  # the settings it was saved with resume it
+    again.train(resume_from_checkpoint=checkpoint)
+    assert again.state.global_step == 4
 
 
 def test_a_model_only_checkpoint_is_refused_naming_its_weights(tmp_path):
