@@ -235,6 +235,9 @@ def failed_save(folder: Path, error: BaseException) -> str | None:
 _RESHARDABLE = {"data_parallel_size": "DP degree", "cp_size": "CP degree", "world_size": "world size"}
 # What decides the samples of each step: checked once the layout fits (`check_checkpoint`).
 _BATCHES = ("global_batch_size", "world_batch_size")
+# The settings `check_checkpoint` judges by a rule of their own, not by equality with the saved ones: a curriculum's
+# schedule (first: one changed only from the checkpoint's step on resumes, `_schedule_change`) and the batches (last).
+_OWN_RULES = ("cp_schedule", *_BATCHES)
 
 
 def check_checkpoint(folder: str | Path, settings: dict[str, Any], marker: dict[str, Any] | None, *,
@@ -325,8 +328,7 @@ def check_checkpoint(folder: str | Path, settings: dict[str, Any], marker: dict[
     # main process's files, every rank loading the same) continues at another degree as the sharded one does.
     whole = not sharded and _whole_state(folder)
     for key, value in settings.items():
-        if key in _BATCHES or key == "cp_schedule" or saved.get(key) == value or \
-                (key in _RESHARDABLE and (sharded or whole)):
+        if key in _OWN_RULES or saved.get(key) == value or (key in _RESHARDABLE and (sharded or whole)):
             continue
         hint = ""
         if key in _RESHARDABLE:
