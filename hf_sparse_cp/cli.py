@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import textwrap
+from typing import NoReturn
 
 from hf_sparse_cp.version import __version__
 
@@ -308,8 +309,19 @@ def _train(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from_command_line = argv is None
-    argv = sys.argv[1:] if argv is None else argv
+    """Run `hf-sparse-cp ARGV` (default: this process's command line, `sys.argv[1:]`) and return its exit status, for
+    a Python caller to go on after it (the console script ends with it: `command_line`)."""
+    return _command(sys.argv[1:] if argv is None else argv, from_command_line=False)
+
+
+def command_line() -> NoReturn:
+    """The `hf-sparse-cp` console script (setup.cfg) and `python -m hf_sparse_cp.cli`: the command on this process's
+    command line, ended with its status. The process is the command's own, so a launcher whose run is over ends without
+    the interpreter's teardown (`refusals.end_launcher`), and `simulate` runs again with the allocator's settings."""
+    sys.exit(_command(sys.argv[1:], from_command_line=True))
+
+
+def _command(argv: list[str], from_command_line: bool) -> int:
     # (everything after these commands is the launcher's and the script's, in order)
     if argv[:1] in (["launch"], ["train"]):
         try:
@@ -385,4 +397,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command_line()

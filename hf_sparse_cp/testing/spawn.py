@@ -147,7 +147,7 @@ def run_cli(argv: list[str], nproc: int, *, timeout_s: float = 600.0) -> subproc
     return subprocess.CompletedProcess(list(argv), status, "", "".join(err for _, err in ranks))
 
 
-# `hf-sparse-cp` as a user starts it (the console script runs this module's `main`).
+# `hf-sparse-cp` as a user starts it (the console script runs this module's `command_line`).
 CLI = (sys.executable, "-m", "hf_sparse_cp.cli")
 
 

@@ -95,7 +95,7 @@ def test_simulate_from_the_command_line_runs_with_a_recycling_allocator(monkeypa
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     with pytest.raises(SystemExit):
-        cli.main()
+        cli.command_line()
     (executable, args, env), = calls
     assert args[1:] == ["-m", "hf_sparse_cp.cli", "simulate", "--seq", "32768"]
     assert env["GLIBC_TUNABLES"] == RECYCLING_MALLOC

@@ -499,6 +499,29 @@ def test_the_launch_shorthand_starts_torchrun_or_accelerate_launch(started, monk
     assert started[-1][6:] == ["-m", RUN_MODULE, "-m", cli.EXAMPLE_MODULE, "--cp_size", "2"]
 
 
+def test_main_returns_the_status_of_a_launch_to_a_python_caller_and_the_console_script_ends_with_it(started,
+                                                                                                    monkeypatch):
+    """`main()` with this process's command line (a Python wrapper setting sys.argv) ended the whole process once a
+    launch's run was over (`refusals.end_launcher`, os._exit: the wrapper's code after it never ran); the console
+    script's `command_line` still does, with the status (tests/unit/test_setup_cfg.py: the script runs it)."""
+    from hf_sparse_cp import cli
+    from hf_sparse_cp.launch import refusals
+
+    ended = []
+
+    def end_launcher(status):
+        ended.append(status)
+        raise SystemExit(status)
+
+    monkeypatch.setattr(refusals, "end_launcher", end_launcher)
+    monkeypatch.setattr(sys, "argv", ["hf-sparse-cp", "train", "--cp_size", "2", "--nproc", "2", "--max_steps", "1"])
+    assert cli.main() == 0 and not ended
+    assert started[-1][-5:] == [cli.EXAMPLE_MODULE, "--cp_size", "2", "--max_steps", "1"]
+    with pytest.raises(SystemExit) as done:
+        cli.command_line()
+    assert done.value.code == 0 and ended == [0]
+
+
 @pytest.mark.parametrize("accelerators", [0, 2])
 def test_a_gpu_config_with_more_processes_per_machine_than_accelerators_is_refused_before_any_starts(
         started, monkeypatch, tmp_path, capsys, accelerators):

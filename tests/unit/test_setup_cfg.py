@@ -1,5 +1,6 @@
 """setup.cfg: the wheel's package list names every package of the plugin (a package left out installs nowhere, and
-only a slow wheel test would notice), and Triton is required only where it can run."""
+only a slow wheel test would notice), Triton is required only where it can run, and the console script ends the
+process with the command's status."""
 import configparser
 from pathlib import Path
 
@@ -52,3 +53,15 @@ def test_triton_is_installed_only_where_it_can_run():
         for (system, machine), expected in PLATFORMS.items():
             environment = {"platform_system": system, "platform_machine": machine}
             assert triton.marker.evaluate(environment) is expected, (extra, system, machine)
+
+
+def test_the_console_script_runs_the_command_line_entry_that_ends_the_process():
+    """`hf_sparse_cp.cli.main` returns the status to a Python caller; the console script's entry ends the process with
+    it (and ends a launcher whose run is over without the interpreter's teardown)."""
+    from hf_sparse_cp import cli
+
+    parser = configparser.ConfigParser()
+    parser.read(ROOT / "setup.cfg")
+    name, target = (part.strip() for part in parser["options.entry_points"]["console_scripts"].split("="))
+    module, function = target.split(":")
+    assert (name, module) == ("hf-sparse-cp", "hf_sparse_cp.cli") and getattr(cli, function) is cli.command_line
