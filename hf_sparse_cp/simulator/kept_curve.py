@@ -52,10 +52,6 @@ class KeptAt:
     basis: Basis
     source: str
 
-    def describe(self) -> str:
-        return (f"kept {self.kept:.3f} of the causal blocks, layout width {self.width_share:.3f} of the rows "
-                f"at {self.seq_len} tokens ({self.basis}; {self.source})")
-
 
 def _power_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     """(log a, b) of y = a x^b least-squares in log-log; one point: a flat line through it."""

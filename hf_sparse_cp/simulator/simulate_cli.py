@@ -53,6 +53,7 @@ from ..backends import PLOT_EXTRA, require_matplotlib
 from ..config import SparseAttentionConfig
 from ..distributed.heads.split import HeadSplit
 from ..distributed.modes import CPMode
+from ..distributed.split.blocks import ShardPlan
 from ..distributed.split.document_costs import PlannerCosts, kept_blocks_per_row, linear_weight
 from ..distributed.split.document_runs import row_runs
 from ..env import environment
@@ -322,6 +323,13 @@ def sequence_workload(args, seq: int) -> Workload:
     return Workload((seq,), ("sparse",), layout)
 
 
+def realized_kept(args, seq: int) -> float:
+    """The kept fraction of the sparse layout `sequence_workload` draws for one sequence of `seq` tokens, the table's
+    kept: the target's diagonals (`kept_target`) with the verticals and sink tokens on top."""
+    plan = ShardPlan("striped", 1, BLOCK, seq)  # (one sequence's layout is the same under every split of it)
+    return float(sequence_workload(args, seq).layout("sparse", plan).kept_fraction())
+
+
 def packed_workload(mix: str, seq: int, seed: int) -> Workload:
     """A row of `seq` tokens packing documents of `mix` with cp_packing's per-document patterns."""
     cfg = SparseAttentionConfig(block_size=BLOCK)
@@ -505,10 +513,12 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
     name, model = model_name(args), model_shape(args, MODELS)
     cluster, hardware_of = cluster_of(args)
     if args.mix is None:
-        print(f"{name} on {cluster.name}; sparse layouts: {args.verticals} verticals + {args.sink} sink tokens "
-              f"({args.layout_heads} layout heads) and diagonals for a kept fraction of")
-        for target in targets:
-            print(f"  {target.describe()}")
+        print(f"{name} on {cluster.name}; sparse layouts ({args.layout_heads} layout heads): diagonals for the target "
+              f"kept fraction of the causal blocks, {args.verticals} verticals + {args.sink} sink tokens on top (the "
+              "realized fraction, the table's kept)")
+        for t in targets:  # (the realized one: the layout drawn once more, freed before the simulation's)
+            print(f"  {t.seq_len} tokens: kept target {t.kept:.3f}, realized {realized_kept(args, t.seq_len):.3f}; "
+                  f"layout width {t.width_share:.3f} of the rows ({t.basis}; {t.source})")
         print(f"first {args.dense_first_layers} layer(s) dense; PREDICTED")
     else:
         print(f"{name} on {cluster.name}; rows packed with the {args.mix} mix (seed {args.seed}), "

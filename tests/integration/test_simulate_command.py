@@ -181,6 +181,23 @@ def test_the_simulator_reads_the_density_at_each_length_from_the_curve(tmp_path,
     assert refused.value.code == 2 and out == "" and f"error: --kept-curve {tmp_path / 'missing.json'}" in err
 
 
+def test_the_header_states_the_target_and_the_realized_kept_fraction(tmp_path, monkeypatch, capsys):
+    """The header gave the kept fraction the diagonals are drawn for (--density 0.175) as the layouts' while the
+    table's kept, the realized one with the verticals on top, said 0.19: both, labelled, the realized the table's."""
+    from hf_sparse_cp.simulator import simulate_cli
+
+    monkeypatch.chdir(tmp_path)
+    report = simulate_cli.main(["--seq", "32768", "--cp", "8", "--no-mtraining", "--layout-heads", "1", "--configs",
+                                "dense ring", "striped sparse", "--density", "0.175", "--json", "report.json"])
+    (realized,) = {r["kept"] for r in report["rows"] if r["config"] == "striped sparse"}
+    assert realized > 0.175 + 0.005  # (the verticals' blocks on top of the diagonals', as the header says)
+    header = capsys.readouterr().out.split(simulate_cli.HEADER)[0]
+    assert "diagonals for the target kept fraction of the causal blocks, 1000 verticals + 32 sink tokens on top " \
+           "(the realized fraction, the table's kept)" in header
+    assert f"  32768 tokens: kept target 0.175, realized {realized:.3f}; layout width 1.000 of the rows (given; " \
+           "--density)" in header
+
+
 def test_simulate_answers_for_the_cp_mode_asked(tmp_path, monkeypatch, capsys):
     """`--cp_mode` / `--cp_ulysses_size` as training takes them (#49): the sparse rows are the mode's (resolved per CP
     size by the mode objects: heads over 8 of 8 GPUs is ulysses), priced by the head-parallel step model on the
