@@ -475,7 +475,7 @@ def _repaired_for_its_model(model_type: str, config_class: type, config: Pretrai
         repairs.append({"rope_parameters": {kind: rope.get(kind) or {"rope_type": "default",
                                                                      "rope_theta": given["rope_theta"]}
                                             for kind in sorted(kinds)}})
-    sub_configs = [key for key, value in given.items() if isinstance(value, dict)]
+    sub_configs = [key for key in getattr(config_class, "sub_configs", None) or () if isinstance(given.get(key), dict)]
     error = _model_error(config) if repairs or sub_configs else None
     missing = re.fullmatch(r"'(\w+)' object has no attribute '(\w+)'", str(error)) if error else None
     for key in sub_configs:
