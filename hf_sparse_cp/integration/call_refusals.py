@@ -77,14 +77,19 @@ def mask_only_window(module: torch.nn.Module, sliding_window: int | None,
     or GPT-2 config that carries the field) attends past the field in its own forward (SDPA does), and was refused for
     documents longer than it; only transformers' `generate` builds its window into the mask there (for a StaticCache;
     a DynamicCache's sliding layers hold the window's keys alone): such a call gets (the window of `attention_mask`,
-    `call_tokens.mask_window`, or None; None), computed as SDPA computes it. Under torch.compile, where the mask is not
+    `call_tokens.mask_window`, or None; None), computed as SDPA computes it. So does one whose attention passes the
+    field on while its mask never holds it (OLMoE's: SDPA and eager attend past the window, which only
+    flash-attention applies; sparse_cp applied it, 27% from SDPA's logits). Under torch.compile, where the mask is not
     read, (None, its size) as before."""
     config = getattr(module, "config", None)
     window = getattr(config, "sliding_window", None)
-    if sliding_window is not None or not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return sliding_window, None
+    never_masked = getattr(config, "layer_types", None) is None and builds_sliding_window_mask(config) is False
+    if sliding_window is not None and not (never_masked and sliding_window == window):
         return sliding_window, None
     if getattr(config, "layer_types", None) is None:
-        if builds_sliding_window_mask(config) is False and not torch.compiler.is_compiling():
+        if never_masked and not torch.compiler.is_compiling():
             return mask_window(attention_mask), None
         return None, window
     return (window, None) if _layer_type(module) == "sliding_attention" else (None, None)

@@ -8,7 +8,6 @@ allocate, measured on the same model, is the memory model's (`memory_model.measu
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -190,11 +189,12 @@ def layer_windows(config: Any, where: str) -> tuple[int | None, ...]:
 
 
 def reads_sliding_window(model: torch.nn.Module) -> bool:
-    """Whether the code of `model` (transformers' modeling modules of its classes) may read its config's
-    `sliding_window`: builds it into a mask (imports masking_utils' `create_sliding_window_causal_mask`: Mistral,
-    PhiMoE) or names the field (Mistral's, OLMoE's attention passes it to the attention function). False for a family
-    that does neither (Llama, GPT-2, OLMo 2: a config that carries the field attends past it in SDPA and in sparse_cp,
-    `call_refusals.mask_only_window`); True for any class outside transformers (remote code: not judged, as there)."""
+    """Whether the code of `model` (transformers' modeling modules of its classes) builds its config's
+    `sliding_window` into a mask (imports masking_utils' `create_sliding_window_causal_mask`: Mistral, PhiMoE). False
+    for a family that does not (Llama, GPT-2, OLMo 2, and OLMoE, whose attention passes the field to the attention
+    function, which only flash-attention applies): a config that carries the field attends past it in SDPA and in
+    sparse_cp (`call_refusals.mask_only_window`); True for any class outside transformers (remote code: not judged,
+    as there)."""
     return any(_module_reads_sliding_window(type(m).__module__) for m in model.modules())
 
 
@@ -203,12 +203,7 @@ def _module_reads_sliding_window(name: str) -> bool:
     if not name.startswith("transformers.models."):  # (torch's layers and transformers' shared ones read no config)
         return not name.startswith(("torch.", "transformers."))
     module = sys.modules.get(name)
-    if module is None or hasattr(module, "create_sliding_window_causal_mask"):
-        return True
-    try:
-        return "sliding_window" in inspect.getsource(module)
-    except (OSError, TypeError):  # (no source to read: as if it read it)
-        return True
+    return module is None or hasattr(module, "create_sliding_window_causal_mask")
 
 
 def _sectioned_expert_counts(config: Any) -> list[str]:

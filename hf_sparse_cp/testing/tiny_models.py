@@ -88,6 +88,13 @@ TINY_MLA = dict(num_key_value_heads=4, qk_rope_head_dim=16, qk_nope_head_dim=32,
 # `*ForCausalLM` builds the decoder alone), taken from the tiny model's fields of the same meaning.
 TINY_DECODER = dict(decoder_layers="num_hidden_layers", decoder_attention_heads="num_attention_heads",
                     decoder_ffn_dim="intermediate_size")
+# The sizes a family keeps in sub-configs of its own under other names (DBRX's attn_config and ffn_config), taken from
+# the tiny model's fields of the same meaning.
+TINY_SUB_FIELDS = dict(kv_n_heads="num_key_value_heads", ffn_hidden_size="intermediate_size",
+                       moe_num_experts="num_local_experts", moe_top_k="num_experts_per_tok")
+# Values such sub-configs take as a family's checkpoints set them: DBRX's bound on queries, keys and values (None by
+# default, which its attention passes to torch.clamp as both bounds: a RuntimeError at the first forward).
+TINY_SUB_VALUES = dict(clip_qkv=8.0)
 
 
 def _defaults_to_sliding_layers(config_class: type) -> bool:
@@ -286,7 +293,10 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
     window: layer_types that default to sliding layers become full attention unless a `sliding_window` is given,
     the window then unused; half of a head's dimensions rotary where the config counts them (`rotary_dim`: CodeGen
     and GPT-J rotate 16 of 32, interleaved); a mixture of experts: `TINY_EXPERTS`; latent attention: `TINY_MLA`; a
-    decoder sized apart from its encoder: `TINY_DECODER`; a hybrid whose two layers would hold no attention: an
+    decoder sized apart from its encoder: `TINY_DECODER`; sizes in sub-configs of a family's own: `TINY_SUB_FIELDS`;
+    an indexer's scoring heads (Kolibri's) the query heads of one key head; state-space heads (Mamba-2's) that split
+    hidden_size * expand in heads of head_dim; a family that takes no full-attention layers (Kolibri): its sliding
+    layers with a window no row reaches; a hybrid whose two layers would hold no attention: an
     attention layer last, placed by its own fields (`_attention_placements`); a field the family's defaults leave
     unset that its model needs: given (`_repaired_for_its_model`)); any field can be overridden. A field the
     architecture derives from others (Falcon's `head_dim`) is left to it; an override of one it derives otherwise is a
@@ -315,6 +325,18 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
             fields[name] = fields.pop(field)  # standard name, max_position_embeddings)
     fields.update({name: fields[source] for name, source in TINY_DECODER.items()
                    if _field_of(config_class, name) and name not in overrides})
+    sub_fields = _sub_config_fields(config_class, fields, overrides)
+    if sub_fields:  # (DBRX sizes ffn_config.hidden_size from d_model before an alias given, hidden_size, reaches it:
+        aliases = getattr(config_class, "attribute_map", {})  # its fields under its own names too)
+        fields.update({aliases[name]: fields[name] for name in list(fields) if name in aliases}, **sub_fields)
+    if _field_of(config_class, "index_num_heads") and "index_num_heads" not in overrides:
+        # (Kolibri's indexer scores keys with leading query heads of key head 0, 12 by default: at most 2 here)
+        fields["index_num_heads"] = fields["num_attention_heads"] // fields["num_key_value_heads"]
+    if (_field_of(config_class, "num_heads") and _field_of(config_class, "expand")
+            and not _field_of(config_class, "num_attention_heads") and "num_heads" not in overrides):
+        # (Mamba-2: state-space heads of head_dim that split hidden_size * expand, 128 of 64 by default)
+        expand = fields.get("expand", getattr(config_class, "expand", 2))
+        fields["num_heads"] = fields["hidden_size"] * expand // fields["head_dim"]
     if mla and "head_dim" not in overrides:
         fields["head_dim"] = fields["qk_rope_head_dim"]
     derived = {name for name in fields if _derived(config_class, name)}
@@ -354,7 +376,11 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
         full = {"layer_types": ["full_attention" if t == "sliding_attention" else t for t in layer_types],
                 "sliding_window": config.max_position_embeddings}
         if _field_of(config_class, "layer_types"):
-            config = AutoConfig.for_model(model_type, **{**given, **full})
+            try:
+                config = AutoConfig.for_model(model_type, **{**given, **full})
+            except Exception:  # (Kolibri takes no full-attention layers: its sliding ones keep the window no row
+                if not unwindowed:  # reaches that built it)
+                    raise
         else:
             with contextlib.suppress(AttributeError):  # (RecurrentGemma derives them from its block types: its
                 config.layer_types = full["layer_types"]  # sliding layers keep a window no row reaches)
@@ -402,8 +428,10 @@ def _first_config(model_type: str, config_class: type, given: dict, overrides: d
         fields = {name: value for name, value in {**given, **edit}.items() if name not in dropped}
         with contextlib.suppress(Exception):
             config = AutoConfig.for_model(model_type, **fields)
-            if not dropped or _model_builds(config):  # (DBRX without tied embeddings: its attention sub-config,
-                return config, fields, "sliding_window" in edit  # which no tiny field reaches, builds no model)
+            if dropped:  # (DBRX without tied embeddings: its model builds once its attention sub-config is repaired)
+                config, fields = _repaired_for_its_model(model_type, config_class, config, fields, overrides)
+            if not dropped or _model_builds(config):
+                return config, fields, "sliding_window" in edit
     placed = _placed_attention(model_type, config_class, given, overrides)
     if placed:
         return (*placed, False)
@@ -432,8 +460,10 @@ def _repaired_for_its_model(model_type: str, config_class: type, config: Pretrai
     family's defaults leave unset that makes it build: a shared-expert count of None (Dots1's, which its model
     multiplies by) 1; layer types of None (LFM2-MoE's, which its model reads) every layer full attention; RoPE
     parameters kept per layer type and given for none (Cohere Compass's: KeyError 'full_attention') the default
-    ones for each. `config` as it is where it builds or no repair makes it. The model is built only where a repair
-    applies (a meta build took 50 ms, five times a tiny config's own time, on every `tiny_config` call)."""
+    ones for each; a tiny field that a sub-config given tiny fields (`_sub_config_fields`) does not declare and its
+    model reads there (DBRX's attention reads attn_config.rope_theta, which its checkpoints keep) given it. `config`
+    as it is where it builds or no repair makes it. The model is built only where a repair may apply (a meta build
+    took 50 ms, five times a tiny config's own time, on every `tiny_config` call)."""
     kinds = set(_layer_kinds(config))
     rope = getattr(config, "rope_parameters", None)
     repairs = []
@@ -445,8 +475,14 @@ def _repaired_for_its_model(model_type: str, config_class: type, config: Pretrai
         repairs.append({"rope_parameters": {kind: rope.get(kind) or {"rope_type": "default",
                                                                      "rope_theta": given["rope_theta"]}
                                             for kind in sorted(kinds)}})
+    sub_configs = [key for key in getattr(config_class, "sub_configs", None) or () if isinstance(given.get(key), dict)]
+    error = _model_error(config) if repairs or sub_configs else None
+    missing = re.fullmatch(r"'(\w+)' object has no attribute '(\w+)'", str(error)) if error else None
+    for key in sub_configs:
+        if missing and type(getattr(config, key, None)).__name__ == missing[1] and missing[2] in given:
+            repairs.append({key: {**given[key], missing[2]: given[missing[2]]}})
     repairs = [edit for edit in repairs if not set(edit) & set(overrides)]
-    if not repairs or _model_builds(config):
+    if not repairs or error is None:
         return config, given
     for edit in repairs:
         fields = {**given, **edit}
@@ -457,10 +493,28 @@ def _repaired_for_its_model(model_type: str, config_class: type, config: Pretrai
     return config, given
 
 
+def _sub_config_fields(config_class: type, fields: dict, overrides: dict) -> dict:
+    """{key: {field: value}} for each sub-config of `config_class` that takes `TINY_SUB_FIELDS` (DBRX's attn_config
+    and ffn_config), their values those of `fields`, and the `TINY_SUB_VALUES` it takes; none for a sub-config
+    `overrides` give."""
+    found = {}
+    for key, sub_class in (getattr(config_class, "sub_configs", None) or {}).items():
+        if key in overrides or not issubclass(sub_class, PretrainedConfig):
+            continue
+        sized = {name: fields.get(source, TINY_EXPERTS.get(source)) for name, source in TINY_SUB_FIELDS.items()
+                 if _field_of(sub_class, name)}
+        if sized:
+            found[key] = {**sized, **{name: value for name, value in TINY_SUB_VALUES.items()
+                                      if _field_of(sub_class, name)}}
+    return found
+
+
 def _build_refusal(model_type: str, vocab_size: int, overrides: dict, error: Exception) -> ValueError:
     """The ValueError for a config transformers refused to build (`error`, its complaint quoted): where the tiny
     model's fields alone build it, the overrides are at fault, named (those the complaint names, else all) with the
-    fix, their value; else the type cannot be built tiny, and another type is the fix."""
+    fix, their value; else the type cannot be built tiny, and another type is the fix: its language model's, where it
+    keeps one in a text sub-config (Dots 3 Note, whose vision and audio towers stay at their full sizes; Gemma 4's
+    assistant)."""
     cause = str(error).strip().splitlines()
     complaint = f"{type(error).__name__}: {' '.join(line.strip() for line in cause[:2])}"
     if overrides and _builds(model_type, vocab_size):
@@ -468,9 +522,19 @@ def _build_refusal(model_type: str, vocab_size: int, overrides: dict, error: Exc
         return ValueError(f"tiny model type {model_type!r}: transformers refuses "
                           f"{', '.join(f'{name}={overrides[name]!r}' for name in named)} ({complaint}): give "
                           f"{' and '.join(named)} a value its config takes (the tiny model's fields alone build it).")
+    text_type = _text_model_type(CONFIG_MAPPING[model_type])
+    other = (f"its language model's type, --tiny_model_type {text_type} (tiny_config({text_type!r})), "
+             if text_type else "another --tiny_model_type (e.g. qwen2, llama, gpt2) ")
     return ValueError(f"tiny model type {model_type!r}: transformers does not build its config from the tiny model's "
-                      f"fields ({complaint}); train another --tiny_model_type (e.g. qwen2, llama, gpt2) or a model of "
-                      "this type from --model_name_or_path.")
+                      f"fields ({complaint}); train {other}or a model of this type from --model_name_or_path.")
+
+
+def _text_model_type(config_class: type) -> str | None:
+    """The model type of `config_class`'s text sub-config (its language model's), where it has one that is a
+    model type of its own."""
+    spec = (getattr(config_class, "sub_configs_defaults", None) or {}).get("text_config")
+    text_type = getattr(spec, "model_type", None) or getattr(getattr(spec, "config_class", None), "model_type", None)
+    return text_type if text_type in CONFIG_MAPPING and text_type != config_class.model_type else None
 
 
 def _builds(model_type: str, vocab_size: int) -> bool:

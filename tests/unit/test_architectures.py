@@ -655,6 +655,61 @@ def test_a_tiny_model_of_a_hybrid_whose_fields_place_its_attention_has_an_attent
     _assert_every_block_kept_gives(model, ids, sdpa)
 
 
+@pytest.mark.parametrize("model_type", released_model_types("dbrx", "kolibri1_1"))
+def test_a_tiny_model_of_a_family_whose_sizes_the_tiny_fields_missed_runs_and_sparse_cp_computes_it(model_type):
+    """DBRX takes no tied embeddings and keeps its heads and experts in sub-configs of its own (attn_config's
+    kv_n_heads, ffn_config's ffn_hidden_size, moe_num_experts, moe_top_k); its attention reads attn_config.rope_theta,
+    which that sub-config does not declare (its checkpoints keep it there), and clamps by clip_qkv, None by default,
+    which torch refuses. Kolibri 1.1's indexer scores keys with 12 query heads of key head 0 by default, and its
+    layers are sliding or indexed, never full. Both tiny configs were refused ('tie_word_embeddings is not
+    supported', '`index_num_heads` must be between 1 and ...'): each now builds a small model (DBRX untied, 2 key
+    heads, 4 experts; Kolibri's sliding layers with a window no row reaches), and sparse_cp with every block kept
+    gives sdpa's logits."""
+    config = tiny_config(model_type, vocab_size=97)
+    if model_type == "dbrx":
+        assert not config.tie_word_embeddings and config.attn_config.kv_n_heads == 2
+        assert (config.ffn_config.moe_num_experts, config.ffn_config.moe_top_k) == (4, 2)
+    else:
+        assert set(config.layer_types) == {"sliding_attention"} and config.sliding_window >= 1 << 20
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    assert sum(p.numel() for p in model.parameters()) < 5_000_000
+    ids = torch.randint(3, 97, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        sdpa = model(input_ids=ids).logits
+    _assert_every_block_kept_gives(model, ids, sdpa)
+
+
+@pytest.mark.parametrize("model_type", released_model_types("mamba2"))
+def test_a_tiny_state_space_model_builds_and_sparse_cp_refuses_it_naming_the_fix(model_type):
+    """Mamba-2's state-space heads (`num_heads` of head_dim, 128 of 64 by default) must split hidden_size * expand:
+    its tiny config was refused ('hidden_size * expand (256) must equal num_heads * head_dim (4096)'). It builds now
+    (8 heads of 32), runs, and sparse_cp, which has no attention to compute in it, refuses it naming the fix."""
+    config = tiny_config(model_type, vocab_size=97)
+    assert config.num_heads * config.head_dim == config.hidden_size * config.expand
+    model = AutoModelForCausalLM.from_config(config)
+    assert model(input_ids=torch.arange(3, 35)[None]).logits.isfinite().all()
+    hf_sparse_cp.patch()
+    try:
+        with pytest.raises(ValueError, match=r"has no attention layer.*--sparse_attention false"):
+            hf_sparse_cp.configure(model)
+    finally:
+        hf_sparse_cp.unpatch()
+
+
+@pytest.mark.parametrize("model_type", released_model_types("dots3_note", "gemma4_assistant"))
+def test_a_composite_type_transformers_builds_from_no_tiny_fields_names_its_language_models_type(model_type):
+    """Dots 3 Note (vision and audio towers at their full sizes, which its config checks against the text model's)
+    and Gemma 4's assistant (a draft model whose text config must share every layer's keys and values with the
+    target's) build no config from the tiny fields: the refusal advised qwen2 or llama; it names the language
+    model's type, which builds tiny."""
+    text_type = {"dots3_note": "dots3_note_text", "gemma4_assistant": "gemma4_text"}[model_type]
+    with pytest.raises(ValueError, match=rf"tiny model type '{model_type}': transformers does not build .*its language "
+                                         rf"model's type, --tiny_model_type {text_type} "):
+        tiny_config(model_type)
+    assert tiny_config(text_type).hidden_size == 128
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "llama", "gemma3_text", "mixtral"])
 def test_a_tiny_config_that_needs_no_repair_builds_no_model_to_check(model_type, monkeypatch):
     """`tiny_config` builds a model on the meta device only where a repair of the family's defaults applies (Dots1's

@@ -306,14 +306,15 @@ def test_static_cache_generation_past_the_window_of_a_model_without_layer_types_
     assert rel_rms(torch.stack(got.logits), torch.stack(want.logits)) <= TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "olmoe"])
 def test_a_window_field_the_models_own_code_never_reads_is_computed_as_sdpa_computes_it(model_type):
     """A Llama or GPT-2 config that carries `sliding_window` (their modeling code never reads it: their forward
     attends past it, in SDPA and eager) was refused for documents longer than it, as if their mask held the window,
     at set-up too. transformers' `generate` does read it: for a StaticCache it builds the window into the masks
     (`create_masks_for_generate`; GPT-2's forward takes a view of that mask), and a DynamicCache's sliding layers
     hold the window's keys alone. Each is now computed as SDPA computes it: the forward past the window, generation
-    within it."""
+    within it. OLMoE's attention passes the field to the attention function while its mask never holds it (only
+    flash-attention applies it): sparse_cp applied it, its logits 27% from SDPA's (architecture_sweep)."""
     from hf_sparse_cp import SparseCPArguments
     from hf_sparse_cp.trainer.attach import enable_sparse_attention
 

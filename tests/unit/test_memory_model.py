@@ -475,12 +475,16 @@ def test_sliding_window_layers_are_read_from_the_config_and_other_layer_types_re
 def test_a_window_field_no_code_of_the_model_reads_is_no_window_in_the_predictions():
     """A Llama config that carries `sliding_window` attends past it (its code never reads the field: SDPA, and
     sparse_cp since `call_refusals.mask_only_window` computes it as SDPA): its layers were predicted as sliding-window
-    layers (a window's dense layout, far less work and memory than the run's). Mistral's attention reads it."""
-    from transformers import LlamaConfig, MistralConfig
+    layers (a window's dense layout, far less work and memory than the run's). Mistral's attention reads it. So does
+    OLMoE's attention, which passes the field to the attention function while its mask never holds it: SDPA and
+    sparse_cp attend past it, and its layers were predicted as sliding-window layers."""
+    from transformers import LlamaConfig, MistralConfig, OlmoeConfig
 
     fields = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=512, vocab_size=1000)
     assert ModelShape.from_config(LlamaConfig(**fields, sliding_window=1024)).windows == ()
+    olmoe = OlmoeConfig(**fields, num_experts=4, num_experts_per_tok=2, sliding_window=1024)
+    assert ModelShape.from_config(olmoe).windows == ()
     assert ModelShape.from_config(MistralConfig(**fields, sliding_window=1024)).windows == (1024,) * 4
 
 
