@@ -1027,6 +1027,56 @@ def test_a_config_that_is_not_text_is_refused_naming_the_file(command, tmp_path,
     assert f"--config {weights}: not JSON text (a binary file); give a model's config.json" in err, err
 
 
+def test_a_gguf_file_is_read_as_its_config(tmp_path, capsys):
+    """`--config model.gguf` (the file training's --model_name_or_path takes) was refused as "not JSON text (a binary
+    file)": its config is read from the file's metadata, as transformers loads it, and answers as its config.json."""
+    gguf = pytest.importorskip("gguf")
+    from transformers import AutoConfig
+
+    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")  # metadata alone: no tensor is read
+    for add, value in ((writer.add_block_count, 2), (writer.add_context_length, 4096),
+                       (writer.add_embedding_length, 64), (writer.add_feed_forward_length, 128),
+                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2), (writer.add_vocab_size, 1000),
+                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_rope_freq_base, 10000.0)):
+        add(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    AutoConfig.from_pretrained(tmp_path, gguf_file="tiny.gguf").save_pretrained(tmp_path / "saved")
+    answers = []
+    for config in (tmp_path / "tiny.gguf", tmp_path / "saved"):
+        cli_main(["memory", "--config", str(config), "--seq-len", "4096"])
+        answers.append(capsys.readouterr().out)
+    assert answers[0].startswith("tiny (") and answers[1].startswith("saved ("), answers
+    assert answers[0].split(" (", 1)[1] == answers[1].split(" (", 1)[1]
+
+
+@pytest.mark.parametrize("command", ["memory", "simulate"])
+@pytest.mark.parametrize(("given", "fix"), [
+    ("folder", "is a path, not a preset: give a model's folder, config.json or GGUF file as --config"),
+    ("Qwen/Qwen2.5-0.5B", "--model qwen2.5-0.5b is its preset"),
+    ("llama", "--config reads any other model's config.json"),
+], ids=["local-folder", "hub-id", "other"])
+def test_a_model_that_is_no_preset_names_the_flag_that_reads_it(command, given, fix, tmp_path, capsys):
+    """`--model ./my-model` (a saved model's folder) or `--model Qwen/Qwen2.5-0.5B` (a Hub id) was refused as argparse's
+    "invalid choice" alone: the refusal names --config for a path and the preset a Hub id names."""
+    if given == "folder":
+        given = str(tmp_path)
+    with pytest.raises(SystemExit) as refused:
+        cli_main([command, "--model", given])
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and out == "", err
+    assert fix in err, err
+
+
+def test_a_folder_without_config_json_is_named_as_such(tmp_path, capsys):
+    """`--config FOLDER` without a config.json in it was refused as "no such file" for a folder that is there."""
+    with pytest.raises(SystemExit):
+        cli_main(["memory", "--config", str(tmp_path), "--quiet"])
+    assert f"--config {tmp_path}: a folder without config.json" in capsys.readouterr().err
+
+
 def test_a_multimodal_config_names_its_text_config_as_the_fix(tmp_path, capsys):
     """A Gemma 3 4B-style config.json (model_type 'gemma3': the language model's fields under text_config) was refused
     as missing num_hidden_layers, hidden_size, ... with "add the missing field(s)", while they are in the file: it is
