@@ -931,6 +931,19 @@ def test_nothing_fitting_for_the_models_state_names_the_fsdp_degree_at_which_a_l
     assert memory_cli.main([*flags, "--fsdp", "4", "--quiet"])["longest_fitting_tokens"] > 0
 
 
+def test_a_gpu_no_sharding_fits_names_no_sharding_as_the_fix(capsys):
+    """Qwen2.5-0.5B on a 1 GB GPU: no --fsdp degree up to the search's limit fits a length (what the sequence itself
+    holds, 2.7 GB at --fsdp 4096, outgrows it), yet the command named "shard the model's state over more ranks (--fsdp
+    2 or more: it fits at none up to 4096)": it says sharding fits no length, and names a larger GPU."""
+    flags = ["--model", "qwen2.5-0.5b", "--gpu-memory", "1GB"]
+    cli_main(["memory", *flags])
+    said = capsys.readouterr().out.splitlines()[1]
+    assert said.startswith("Not even 1,024 tokens") and "shard the model's state over more ranks" not in said, said
+    assert said.endswith("sharding the model's state fits no length either (--fsdp up to 4096: what the sequence "
+                         "itself holds outgrows the GPU there): use a larger GPU."), said
+    assert memory_cli.main([*flags, "--fsdp", "4096", "--quiet"])["longest_fitting_tokens"] == 0
+
+
 def test_no_length_fitting_within_the_measured_band_says_so_and_names_the_fix(capsys):
     """Qwen2.5-3B in fp32 weights on one 80 GB GPU fits 83,968 tokens, but its state alone (61.7 GB at 1,024 tokens)
     is over the 72 GB usable at the band's top (+26%): the command said "with that margin, 0 tokens"."""
