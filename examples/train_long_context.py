@@ -337,7 +337,9 @@ class _Parser(HfArgumentParser):
         if self.recipe is None:
             return ""
         given, mapping = self.recipe
-        named = dict.fromkeys(name.replace("-", "_") for name in re.findall(r"(?<![\w-])--(\w[\w-]*)", message))
+        # a flag as `--name`, or a field as `name=value` (the CP checks' `cp_ulysses_size=8 does not divide ...`)
+        found = re.findall(r"(?<![\w-])--(\w[\w-]*)|(?<![\w-])([a-z]\w*)(?==)", message)
+        named = dict.fromkeys((flag or field).replace("-", "_") for flag, field in found)
         shown = {name: json.dumps(value) if isinstance(value, dict) else str(value) for name, value in mapping.items()}
         lines = [f"`{name}: {shown[name]}`" for name in named if name in mapping and (
             name not in self.typed or f"'{shown[name]}'" in message or f"got {shown[name]} " in message)]
