@@ -337,7 +337,9 @@ class _Parser(HfArgumentParser):
         if self.recipe is None:
             return ""
         given, mapping = self.recipe
-        named = dict.fromkeys(name.replace("-", "_") for name in re.findall(r"(?<![\w-])--(\w[\w-]*)", message))
+        # a flag as `--name`, or a field as `name=value` (the CP checks' `cp_ulysses_size=8 does not divide ...`)
+        found = re.findall(r"(?<![\w-])--(\w[\w-]*)|(?<![\w-])([a-z]\w*)(?==)", message)
+        named = dict.fromkeys((flag or field).replace("-", "_") for flag, field in found)
         shown = {name: json.dumps(value) if isinstance(value, dict) else str(value) for name, value in mapping.items()}
         lines = [f"`{name}: {shown[name]}`" for name in named if name in mapping and (
             name not in self.typed or f"'{shown[name]}'" in message or f"got {shown[name]} " in message)]
@@ -450,6 +452,7 @@ def parse_args(argv: list[str]) -> ParsedArgs:
                 path = recipe_path(recipe, ("train",))
             flags = recipe_flags(str(path), recipe)
             parser.recipe = recipe, read_mapping(str(path), "")
+            _refuse_abbreviated_keys(parser, parser.recipe[1])
             parser.typed = frozenset(arg.split("=", 1)[0][2:].replace("-", "_") for arg in argv if arg.startswith("--"))
             argv, from_recipe = flags + argv, len(flags)
     except (OSError, ValueError) as e:  # a recipe that is not there or not a mapping: the error names it
@@ -488,6 +491,15 @@ def parse_args(argv: list[str]) -> ParsedArgs:
     training.explicit_flags = explicit
     return ParsedArgs(script, training, training.plugin_arguments(), training.pattern_flags(),
                       training.context_parallel_config(), training.smet_arguments(), explicit)
+
+
+def _refuse_abbreviated_keys(parser: HfArgumentParser, mapping: dict[str, Any]) -> None:
+    """Refuse a recipe key that is no flag's whole name: argparse reads `--max_step` as --max_steps, so `max_step: 2`
+    trained 2 steps, where `HfArgumentParser.parse_yaml_file` (a script reading the recipe) refuses it."""
+    for name, value in mapping.items():
+        flag = f"--{name}"
+        if flag not in parser._option_string_actions and flag not in DEPRECATED and flag not in RENAMED:
+            _refuse(parser, f"unrecognized arguments: {flag} {value}{did_you_mean(parser, [flag])}")
 
 
 def chosen_values(parser: HfArgumentParser, argv: list[str], names: set[str]) -> dict[str, Any]:

@@ -157,6 +157,7 @@ def layout_figure(
     from matplotlib import colormaps
     from matplotlib.colors import PowerNorm
     from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
     available = sorted(layouts)
     layers = [available[i] for i in spread(len(available))] if layers is None else list(layers)
@@ -183,6 +184,8 @@ def layout_figure(
             ax.set_title(f"layer {layer}, head {head}: {kept:.0%} kept", fontsize="medium")
             ax.set_xlabel("key block")
             ax.set_ylabel("query block")
+            for axis in (ax.xaxis, ax.yaxis):  # (block indices: a few blocks drew ticks at 0.5, 1.5, ...)
+                axis.set_major_locator(MaxNLocator(integer=True))
     fig.colorbar(image, ax=axes, shrink=0.8 if len(layers) > 1 else 1.0,
                  label="share of the key block computed (power scale)")
     fig.legend(handles=[Patch(facecolor=cmap(1.0), label="computed"),

@@ -146,16 +146,35 @@ def fraction(text: str) -> float:
 def add_model_arguments(parser: argparse.ArgumentParser, presets: Iterable[str], default: str | None) -> None:
     """`--model PRESET` or `--config CONFIG_JSON` (one of them; `default` the preset when neither is given, None:
     one is required)."""
+    names = sorted(presets)
     group = parser.add_mutually_exclusive_group(required=default is None)
-    group.add_argument("--model", choices=sorted(presets), default=default,
+    group.add_argument("--model", type=_preset(names), metavar="{" + ",".join(names) + "}", default=default,
                        help="A model preset (the shapes listed); or --config.")
     group.add_argument("--config", metavar="CONFIG_JSON",
                        help="Any causal LM's config.json (the file, or a saved model's folder holding it; nothing is "
-                       "downloaded): its shape instead of a preset's, e.g. a Llama-3-8B's.")
+                       "downloaded), or its GGUF file: its shape instead of a preset's, e.g. a Llama-3-8B's.")
+
+
+def _preset(names: list[str]) -> Callable[[str], str]:
+    """An argparse type: one of the preset `names`; a path (a model's folder or file) or a Hub id is refused naming
+    --config, the flag that reads it, as argparse's "invalid choice" did not."""
+
+    def parse(text: str) -> str:
+        if text in names:
+            return text
+        if Path(text).exists():
+            raise argparse.ArgumentTypeError(f"{text!r} is a path, not a preset: give a model's folder, config.json "
+                                             f"or GGUF file as --config {text}")
+        known = [name for name in names if name == text.rsplit("/", 1)[-1].lower()]
+        hint = (f"--model {known[0]} is its preset" if known else
+                "--config reads any other model's config.json (a local file: nothing is downloaded)")
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(names)}); {hint}")
+
+    return parse
 
 
 def read_config(path: str):
-    """The transformers config of a `config.json` file, or of a folder holding one.
+    """The transformers config of a `config.json` file, of a folder holding one, or of a GGUF file.
 
     Raises:
         ValueError: no such file, not JSON, no known `model_type`, or not a causal language model's; the message
@@ -166,14 +185,13 @@ def read_config(path: str):
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
     _refuse_adapter(path, file)
     if not file.is_file():
-        raise ValueError(f"--config {path}: no such file (give a model's config.json, or the folder holding it).")
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--config {path}: not JSON ({e}); give a model's config.json.") from None
-    except UnicodeDecodeError:  # (a weights file, an archive: the decoder's own message names neither)
-        raise ValueError(f"--config {path}: not JSON text (a binary file); give a model's config.json, or the folder "
-                         "holding it.") from None
+        where = "a folder without config.json" if Path(path).is_dir() else "no such file"
+        raise ValueError(f"--config {path}: {where} (give a model's config.json, or the folder holding it; a Hub id "
+                         "is not downloaded).")
+    if is_gguf(file):
+        data = _gguf_config(path, file)
+    else:
+        data = _json_config(path, file)
     if not isinstance(data, dict) or "model_type" not in data:
         raise ValueError(f"--config {path}: no model_type; a transformers config.json names its model_type "
                          "(e.g. \"llama\").")
@@ -191,6 +209,33 @@ def read_config(path: str):
                          "preset (--model).") from None
     _check_attention_only(path, config)
     return config
+
+
+def is_gguf(file: Path) -> bool:
+    """Whether `file` is a GGUF file (its magic bytes), as training's --model_name_or_path takes."""
+    with open(file, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _gguf_config(path: str, file: Path) -> dict[str, Any]:
+    """The config transformers reads from a GGUF file's metadata (its tensors are not read), as a config.json's dict."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(file.parent, gguf_file=file.name).to_dict()
+    except ValueError as e:  # (an architecture transformers' GGUF reader does not know)
+        raise ValueError(f"--config {path}: {e} Give the model's config.json.") from None
+
+
+def _json_config(path: str, file: Path) -> Any:
+    """A config.json's content."""
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config {path}: not JSON ({e}); give a model's config.json.") from None
+    except UnicodeDecodeError:  # (a weights file, an archive: the decoder's own message names neither)
+        raise ValueError(f"--config {path}: not JSON text (a binary file); give a model's config.json, or the folder "
+                         "holding it.") from None
 
 
 def _refuse_adapter(path: str, file: Path) -> None:
@@ -311,7 +356,9 @@ def model_name(args: argparse.Namespace) -> str:
     if args.config is None:
         return args.model
     path = Path(args.config)
-    return path.name if path.is_dir() else (path.parent.name or path.stem)
+    if path.is_dir():
+        return path.name
+    return path.stem if path.is_file() and is_gguf(path) else (path.parent.name or path.stem)
 
 
 def model_shape(args: argparse.Namespace, presets: dict[str, Any], kind: type = ModelShape) -> Any:

@@ -346,9 +346,11 @@ def _shortest_fix(args: argparse.Namespace, arch: Architecture, budget: float) -
     state = sum(b for t, b in est.terms().items() if t in MODEL_STATE_TERMS)
     if state >= est.peak_bytes / 2:  # (the model's state is most of the peak)
         degree = _fsdp_that_fits(args, arch, budget)
-        shard = (f"--fsdp {degree}, where a length fits" if degree else
-                 f"--fsdp {max(2 * args.fsdp, args.cp)} or more: it fits at none up to {FSDP_SEARCH_LIMIT}")
-        fixes = [f"shard the model's state over more ranks ({shard})"] + (
+        if degree is None:  # (#50: this named --fsdp as the fix, adding that no degree makes a length fit)
+            return shortest, est, (f"sharding the model's state fits no length either (--fsdp up to "
+                                   f"{FSDP_SEARCH_LIMIT}: what the sequence itself holds outgrows the GPU there): use "
+                                   "a larger GPU")
+        fixes = [f"shard the model's state over more ranks (--fsdp {degree}, where a length fits)"] + (
             [f"train a model loaded in {args.dtype} (--no-master-weights)"] if settings.autocast else [])
         return shortest, est, f"{', '.join(fixes)} or use a larger GPU"
     fewer = f"fewer CP ranks (--cp {args.cp // 2}) try shorter sequences, or " if args.cp > 1 else ""

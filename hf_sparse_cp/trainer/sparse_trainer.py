@@ -322,6 +322,10 @@ class SparseTrainerMixin:
         with flag_errors():  # (the user's: a launched script ends with the message alone)
             _refuse_empty_datasets(type(self).__name__, kwargs)
             _refuse_dequantized_gguf(type(self).__name__, model)
+            if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+                # CP in a lone process (a script building its arguments in code, the flags before its path, which no
+                # parser checked), before the model is set up; a group the caller joined itself is checked on it
+                args.check_launch(ring=False)
         longest_stage = max((s.seq_len for s in parse_schedule(args.cp_schedule)), default=None) if (
             args.cp_schedule) else None
         self._length_set = args.sequence_length or longest_stage

@@ -142,6 +142,19 @@ def test_a_dense_layer_is_drawn_as_its_dense_layout(run_dir, tmp_path, capsys):
     assert titles[1] != "layer 1, head 0: 100% kept"
 
 
+def test_the_layout_panels_tick_whole_blocks():
+    """A layout of a few blocks (256 tokens in blocks of 64) was drawn with query-block ticks at -0.5, 0.0, 0.5, ...:
+    both axes of every panel tick whole block indices."""
+    pytest.importorskip("matplotlib")
+    from hf_sparse_cp.reporting.plots import layout_figure
+
+    layout = random_layout(1, 2, 256, 256, 64, 0.5, 0.1, generator=torch.Generator().manual_seed(0))
+    figure = layout_figure({0: layout}, 256, 2)
+    for ax in (ax for ax in figure.axes if ax.images):
+        for ticks in (ax.get_xticks(), ax.get_yticks()):
+            assert all(float(t).is_integer() for t in ticks), ticks
+
+
 def test_block_coverage_is_the_mask_averaged_over_key_blocks():
     layout = random_layout(1, 3, 200, 200, 16, 0.3, 0.05, generator=torch.Generator().manual_seed(0))
     assert layout.col_cnt.sum() > 0

@@ -701,6 +701,29 @@ def test_a_refused_recipe_value_names_the_recipe_and_its_line(capsys, tmp_path):
     assert "invalid int value: 'x'" in err and "from the recipe" not in err, err
 
 
+def test_a_recipe_value_a_check_names_as_field_equals_value_names_the_recipe(capsys):
+    """The hybrid recipe scaled to 2 processes as the pages show (`--nproc 2 --cp_size 2`) was refused as
+    "cp_ulysses_size=8 does not divide cp_size=2", naming no recipe: the value comes from `cp_ulysses_size: 8` of the
+    recipe, which the refusal now names (cp_size, typed on the command line, is not the recipe's)."""
+    err = _train_command_error(capsys, ["--recipe", "hybrid_qwen2.5-3b_1m", "--nproc", "2", "--cp_size", "2",
+                                        "--sparse_max_length", "512"])
+    assert "cp_ulysses_size=8 does not divide cp_size=2" in err, err
+    assert err.rstrip().endswith("(from the recipe hybrid_qwen2.5-3b_1m: `cp_ulysses_size: 8`)"), err
+
+
+def test_a_recipe_key_is_a_flags_whole_name(capsys, tmp_path):
+    """A recipe's `max_step: 2` trained 2 steps (argparse reads `--max_step` as its abbreviation of --max_steps), where
+    `HfArgumentParser.parse_yaml_file`, a script reading the same recipe, refuses the key: refused naming the flag,
+    the recipe and its line. The command line's own abbreviation stays argparse's."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("sparse_max_length: 512\nmax_step: 2\n")
+    err = _train_command_error(capsys, ["--recipe", str(recipe)])
+    assert "unrecognized arguments: --max_step 2; did you mean --max_steps" in err, err
+    assert f"(from the recipe {recipe}: `max_step: 2`)" in err, err
+    recipe.write_text("sparse_max_length: 512\nmax_steps: 2\nmax_length: 256\n")  # (a deprecated name is read)
+    assert parse_args(["--recipe", str(recipe), "--max_step", "1"]).training.max_steps == 1
+
+
 def test_train_given_a_script_runs_it_as_launch_does(capsys, tmp_path):
     """Issue #50: `hf-sparse-cp train run_clm.py ...` ended in the example's 'unrecognized arguments: run_clm.py'; a
     `.py` path (or -m module) is the script `launch` runs (here a missing one, refused as `launch` refuses it). Its

@@ -935,6 +935,19 @@ def test_nothing_fitting_for_the_models_state_names_the_fsdp_degree_at_which_a_l
     assert memory_cli.main([*flags, "--fsdp", "4", "--quiet"])["longest_fitting_tokens"] > 0
 
 
+def test_a_gpu_no_sharding_fits_names_no_sharding_as_the_fix(capsys):
+    """Qwen2.5-0.5B on a 1 GB GPU: no --fsdp degree up to the search's limit fits a length (what the sequence itself
+    holds, 2.7 GB at --fsdp 4096, outgrows it), yet the command named "shard the model's state over more ranks (--fsdp
+    2 or more: it fits at none up to 4096)": it says sharding fits no length, and names a larger GPU."""
+    flags = ["--model", "qwen2.5-0.5b", "--gpu-memory", "1GB"]
+    cli_main(["memory", *flags])
+    said = capsys.readouterr().out.splitlines()[1]
+    assert said.startswith("Not even 1,024 tokens") and "shard the model's state over more ranks" not in said, said
+    assert said.endswith("sharding the model's state fits no length either (--fsdp up to 4096: what the sequence "
+                         "itself holds outgrows the GPU there): use a larger GPU."), said
+    assert memory_cli.main([*flags, "--fsdp", "4096", "--quiet"])["longest_fitting_tokens"] == 0
+
+
 def test_no_length_fitting_within_the_measured_band_says_so_and_names_the_fix(capsys):
     """Qwen2.5-3B in fp32 weights on one 80 GB GPU fits 83,968 tokens, but its state alone (61.7 GB at 1,024 tokens)
     is over the 72 GB usable at the band's top (+26%): the command said "with that margin, 0 tokens"."""
@@ -1029,6 +1042,56 @@ def test_a_config_that_is_not_text_is_refused_naming_the_file(command, tmp_path,
     out, err = capsys.readouterr()
     assert refused.value.code == 2 and out == "" and "Traceback" not in err, err
     assert f"--config {weights}: not JSON text (a binary file); give a model's config.json" in err, err
+
+
+def test_a_gguf_file_is_read_as_its_config(tmp_path, capsys):
+    """`--config model.gguf` (the file training's --model_name_or_path takes) was refused as "not JSON text (a binary
+    file)": its config is read from the file's metadata, as transformers loads it, and answers as its config.json."""
+    gguf = pytest.importorskip("gguf")
+    from transformers import AutoConfig
+
+    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")  # metadata alone: no tensor is read
+    for add, value in ((writer.add_block_count, 2), (writer.add_context_length, 4096),
+                       (writer.add_embedding_length, 64), (writer.add_feed_forward_length, 128),
+                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2), (writer.add_vocab_size, 1000),
+                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_rope_freq_base, 10000.0)):
+        add(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    AutoConfig.from_pretrained(tmp_path, gguf_file="tiny.gguf").save_pretrained(tmp_path / "saved")
+    answers = []
+    for config in (tmp_path / "tiny.gguf", tmp_path / "saved"):
+        cli_main(["memory", "--config", str(config), "--seq-len", "4096"])
+        answers.append(capsys.readouterr().out)
+    assert answers[0].startswith("tiny (") and answers[1].startswith("saved ("), answers
+    assert answers[0].split(" (", 1)[1] == answers[1].split(" (", 1)[1]
+
+
+@pytest.mark.parametrize("command", ["memory", "simulate"])
+@pytest.mark.parametrize(("given", "fix"), [
+    ("folder", "is a path, not a preset: give a model's folder, config.json or GGUF file as --config"),
+    ("Qwen/Qwen2.5-0.5B", "--model qwen2.5-0.5b is its preset"),
+    ("llama", "--config reads any other model's config.json"),
+], ids=["local-folder", "hub-id", "other"])
+def test_a_model_that_is_no_preset_names_the_flag_that_reads_it(command, given, fix, tmp_path, capsys):
+    """`--model ./my-model` (a saved model's folder) or `--model Qwen/Qwen2.5-0.5B` (a Hub id) was refused as argparse's
+    "invalid choice" alone: the refusal names --config for a path and the preset a Hub id names."""
+    if given == "folder":
+        given = str(tmp_path)
+    with pytest.raises(SystemExit) as refused:
+        cli_main([command, "--model", given])
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and out == "", err
+    assert fix in err, err
+
+
+def test_a_folder_without_config_json_is_named_as_such(tmp_path, capsys):
+    """`--config FOLDER` without a config.json in it was refused as "no such file" for a folder that is there."""
+    with pytest.raises(SystemExit):
+        cli_main(["memory", "--config", str(tmp_path), "--quiet"])
+    assert f"--config {tmp_path}: a folder without config.json" in capsys.readouterr().err
 
 
 def test_a_multimodal_config_names_its_text_config_as_the_fix(tmp_path, capsys):

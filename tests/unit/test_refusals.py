@@ -248,3 +248,28 @@ def test_processes_the_trainer_does_not_see_are_refused_naming_the_fix_that_appl
     with pytest.raises(ValueError, match="2 processes were launched but the Trainer sees 1") as refused:
         check_launch(trainer)
     assert fix in str(refused.value)
+
+
+def test_cp_in_a_lone_process_is_refused_as_the_users_before_the_model_is_switched(monkeypatch, tmp_path):
+    """`python -m hf_sparse_cp.run --cp_size 2 script.py` for a script that builds its TrainingArguments in code (the
+    flags before its path, which no parser of the script checks) ended in a traceback from the mesh's "needs several
+    processes", after the model was switched: it is refused as the user's (the message alone, exit status 2), naming
+    how to launch, before the model changes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+    from hf_sparse_cp.trainer.arguments import is_flag_error
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    before = model.config._attn_implementation
+    args = SparseTrainingArguments(str(tmp_path), sparse_attention=True, cp_size=2, use_cpu=True, report_to="none")
+    rows = torch.zeros(2, 64, dtype=torch.long)
+    with pytest.raises(ValueError, match="this one runs alone: launch it with") as refused:
+        SparseTrainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows])
+    assert is_flag_error(refused.value)
+    assert "N: a multiple of 2; or train with cp_size 1 in one process" in str(refused.value)
+    assert model.config._attn_implementation == before
