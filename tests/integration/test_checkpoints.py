@@ -169,6 +169,40 @@ def test_a_lora_checkpoint_resumed_with_other_adapter_settings_is_refused_as_a_b
     assert again.state.global_step == 4
 
 
+@pytest.mark.parametrize("saved, resumed, holds", [
+    (None, {"target_modules": ["q_proj", "v_proj"], "r": 4},
+     "holds the whole model's weights \\(model.safetensors\\) and no PEFT adapter: .*Resume it without the adapter, "
+     "as it was saved \\(TRL: without --use_peft\\), or train from the start in a new --output_dir: a new LoRA run "
+     "may start from its weights \\(--model_name_or_path .*checkpoint-2\\)"),
+    ({"target_modules": ["q_proj", "v_proj"], "r": 4}, None,
+     "holds a PEFT adapter \\(adapter_model.safetensors\\) and not the whole model's weights: .*Resume it with the "
+     "adapter it was saved with \\(.*adapter_config.json; TRL: --use_peft --lora_target_modules q_proj v_proj "
+     "--lora_r 4\\), or train from the start in a new --output_dir"),
+], ids=["full_then_lora", "lora_then_full"])
+def test_a_checkpoint_resumed_with_peft_switched_on_or_off_is_refused_as_a_bad_flag(tmp_path, saved, resumed, holds):
+    """A full fine-tune's checkpoint resumed with a LoRA adapter ended with a traceback from every rank (the optimizer's
+    "parameter group that doesn't match", after a load that matched no weight), a LoRA run's resumed without one too
+    (the Trainer's "Can't find a checkpoint index"). A checkpoint without the plugin's marker is left to the Trainer."""
+    from hf_sparse_cp.trainer.checkpoints import check_adapter_fits
+
+    _trainer(tmp_path / "run", lora=saved, max_steps=2).train()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    trainer = _trainer(tmp_path / "resume", lora=resumed)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(ValueError, match=holds) as refused:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert is_flag_error(refused.value)  # (under the launcher: the message once, exit status 2)
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # nothing was loaded
+    (checkpoint / MARKER).unlink()  # (a checkpoint the plugin did not write: the Trainer's load, as without it)
+    with pytest.raises(ValueError) as left:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert not is_flag_error(left.value) and "PEFT" not in str(left.value)
+    # (what the Trainer saves under FSDP with a sharded state dict type holds neither: left to it too)
+    for name in ("model.safetensors", "adapter_model.safetensors"):
+        (checkpoint / name).unlink(missing_ok=True)
+    check_adapter_fits(checkpoint, trainer.model)
+
+
 def test_a_model_only_checkpoint_is_refused_naming_its_weights(tmp_path):
     """--save_only_model keeps no optimizer, scheduler or RNG state; the resume went on silently with a new AdamW and
     a restarted schedule (the CP 2 demo's step 4: loss 4.565 where the run trained 4.335)."""
