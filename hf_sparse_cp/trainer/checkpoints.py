@@ -60,6 +60,7 @@ from ..distributed import ParallelDims
 from ..integration import compat, compat_checks
 from ..integration.architectures import transformers_release
 from ..integration.patching import PatchSet, temporarily
+from ..resharding.checkpoint import read_layout
 from ..resharding.resume import SHARDED_STATE, has_sharded_state, resharded_loading, runs_fsdp2, sharded_saving
 from ..smet.checkpoint import SavedStateMismatch
 from ..smet.factory import SMETOptimizerFactory
@@ -443,12 +444,14 @@ def check_adapter_fits(folder: Path, model: Any, marked: bool = True) -> None:
 
     A checkpoint the plugin `marked` is refused too when PEFT was switched on or off since: the whole model's weights
     and no adapter resumed by a PEFT model (the Trainer loads no weight, then fails on the optimizer's parameter
-    groups), an adapter and no whole model resumed by a model without one (the Trainer looks for a sharded model).
-    (What the Trainer saves under FSDP with a sharded state dict type, neither, is left to it.)"""
+    groups), an adapter and no whole model resumed by a model without one (the Trainer looks for a sharded model);
+    under FSDP2 with a sharded state dict type, which saves neither, a sharded state of such other parameters (its
+    load fails on a KeyError). (Accelerate's FSDP files, the sharded state type's without the plugin's, are left to
+    the Trainer.)"""
     peft = sys.modules.get("peft")  # (a model is a PEFT model only where `peft` was imported)
     ours = peft is not None and isinstance(model, peft.PeftModel)
     if marked:
-        _check_peft_kept(folder, ours or getattr(model, "_hf_peft_config_loaded", False))
+        _check_peft_kept(folder, model, ours or getattr(model, "_hf_peft_config_loaded", False))
     if not ours:
         return
     name = model.active_adapters[0]
@@ -476,29 +479,42 @@ def check_adapter_fits(folder: Path, model: Any, marked: bool = True) -> None:
                      f"{'; TRL: ' + flags if flags else ''}), or train from the start in a new --output_dir.")
 
 
-def _check_peft_kept(folder: Path, adapter: bool) -> None:
+def _check_peft_kept(folder: Path, model: Any, adapter: bool) -> None:
     """Raise ValueError, naming what the checkpoint `folder` holds and the fix, when a run with an `adapter` (PEFT)
     resumes one that holds the whole model's weights and no adapter, or a run without one a checkpoint that holds an
-    adapter and not the whole model: its optimizer state is for other parameters than this run trains."""
+    adapter and not the whole model: its optimizer state is for other parameters than `model` trains."""
     # (as the Trainer's load finds an adapter: in the folder, or each of several adapters in its own subfolder)
     adapters = [p for d in (folder, *sorted(sub for sub in folder.iterdir() if sub.is_dir()))
                 for p in (d / ADAPTER_SAFE_WEIGHTS_NAME, d / ADAPTER_WEIGHTS_NAME) if p.is_file()]
     whole = [name for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
              if (folder / name).is_file()]
-    if adapter and whole and not adapters:
-        raise ValueError(f"Checkpoint {str(folder)!r} holds the whole model's weights ({whole[0]}) and no PEFT "
-                         "adapter: it was saved by a run without PEFT, whose optimizer state is the whole model's, "
-                         "and this run trains an adapter. Resume it without the adapter, as it was saved (TRL: "
-                         "without --use_peft), or train from the start in a new --output_dir: a new LoRA run may "
-                         f"start from its weights (--model_name_or_path {folder}).")
-    if not adapter and adapters and not whole:
-        config = adapters[0].parent / ADAPTER_CONFIG_NAME
-        flags = _adapter_flags(config)
-        raise ValueError(f"Checkpoint {str(folder)!r} holds a PEFT adapter ({adapters[0].relative_to(folder)}) and "
-                         "not the whole model's weights: it was saved by a PEFT run, whose optimizer state is the "
-                         "adapter's, and this run trains the whole model. Resume it with the adapter it was saved "
-                         f"with ({config}; TRL: --use_peft{' ' + flags if flags else ''}), or train from the start "
-                         "in a new --output_dir.")
+    if bool(adapters) != bool(whole):
+        saved_adapter, holds = bool(adapters), str(adapters[0].relative_to(folder)) if adapters else whole[0]
+    elif not adapters and has_sharded_state(folder):
+        # (FSDP2 with a sharded state dict type saves neither: its sharded state's parameter names tell, a PEFT model's
+        # all under `base_model.`; only where they are not this run's, which its load fails on with a KeyError)
+        names = {name.split("/", 1)[1] for name in read_layout(folder / SHARDED_STATE)[1] if name.startswith("model/")}
+        if not names or names == {name for name, _ in model.named_parameters()}:
+            return
+        saved_adapter, holds = all(n.startswith("base_model.") for n in names), f"its parameters in {SHARDED_STATE}/"
+    else:
+        return
+    if adapter and not saved_adapter:
+        weights = (f" (--model_name_or_path {folder})" if whole else
+                   ", the whole model its run saved in its --output_dir at the end (--model_name_or_path that folder)")
+        raise ValueError(f"Checkpoint {str(folder)!r} holds the whole model's weights ({holds}) and no PEFT adapter: "
+                         "it was saved by a run without PEFT, whose optimizer state is the whole model's, and this run "
+                         "trains an adapter. Resume it without the adapter, as it was saved (TRL: without --use_peft), "
+                         f"or train from the start in a new --output_dir: a new LoRA run may start from its weights"
+                         f"{weights}.")
+    if not adapter and saved_adapter:
+        config = adapters[0].parent / ADAPTER_CONFIG_NAME if adapters else None
+        flags = " ".join(("--use_peft", _adapter_flags(config) if config else "with its LoRA settings")).strip()
+        raise ValueError(f"Checkpoint {str(folder)!r} holds a PEFT adapter ({holds}) and not the whole model's "
+                         "weights: it was saved by a PEFT run, whose optimizer state is the adapter's, and this run "
+                         "trains the whole model. Resume it with the adapter it was saved with ("
+                         f"{f'{config}; ' if config else ''}TRL: {flags}), or train from the start in a new "
+                         "--output_dir.")
 
 
 def _adapter_flags(config_path: Path) -> str:

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, defau
 import hf_sparse_cp
 from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
 from hf_sparse_cp.integration.architectures import transformers_release
-from hf_sparse_cp.testing.spawn import launch_cli, run_cli
+from hf_sparse_cp.testing.spawn import launch_cli, run_cli, run_gloo
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.arguments import is_flag_error
 from hf_sparse_cp.trainer.checkpoints import CPU_PROCESSES_RESUME_SINCE, MARKER, CheckpointMarkerCallback
@@ -201,6 +201,39 @@ def test_a_checkpoint_resumed_with_peft_switched_on_or_off_is_refused_as_a_bad_f
     for name in ("model.safetensors", "adapter_model.safetensors"):
         (checkpoint / name).unlink(missing_ok=True)
     check_adapter_fits(checkpoint, trainer.model)
+
+
+def _fsdp2_sharded_run(rank: int, world: int, out: str, resume: str | None, lora: bool) -> tuple:
+    """`_trainer` under FSDP2 with a sharded state dict type (checkpoints: the sharded state, no weights file) on 2 CPU
+    processes, LoRA or not: (global step,) trained, or (message, is it a flag error) refused."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    config = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+              "state_dict_type": "SHARDED_STATE_DICT"}
+    trainer = _trainer(Path(out), lora={"target_modules": ["q_proj", "v_proj"], "r": 4} if lora else None,
+                       fsdp="full_shard", fsdp_config=config, max_steps=4 if resume else 2)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except ValueError as e:
+        return str(e), is_flag_error(e)
+    return (trainer.state.global_step,)
+
+
+def test_an_fsdp2_sharded_checkpoint_resumed_with_peft_switched_on_or_off_is_refused_as_a_bad_flag(tmp_path):
+    """FSDP2 with a sharded state dict type saves no weights file, only the sharded state: a LoRA run's resumed without
+    LoRA, or a full fine-tune's with it, failed on every rank with a KeyError (a parameter's name not in it)."""
+    for lora in (True, False):
+        run = tmp_path / f"run_{lora}"
+        assert run_gloo(_fsdp2_sharded_run, 2, str(run), None, lora) == [(2,)] * 2
+        checkpoint = str(run / "checkpoint-2")
+        assert not {"model.safetensors", "adapter_model.safetensors"} & set(os.listdir(checkpoint))
+        refused = run_gloo(_fsdp2_sharded_run, 2, str(tmp_path / f"other_{lora}"), checkpoint, not lora)
+        holds = ("holds a PEFT adapter (its parameters in hf_sparse_cp_sharded_state/) and not the whole model's "
+                 "weights" if lora else "holds the whole model's weights (its parameters in "
+                 "hf_sparse_cp_sharded_state/) and no PEFT adapter")
+        assert all(flag and holds in message for message, flag in refused), refused
+    # a LoRA run resumed with LoRA, as saved, is not refused
+    assert run_gloo(_fsdp2_sharded_run, 2, str(tmp_path / "again"), str(tmp_path / "run_True" / "checkpoint-2"),
+                    True) == [(4,)] * 2
 
 
 def test_a_model_only_checkpoint_is_refused_naming_its_weights(tmp_path):
