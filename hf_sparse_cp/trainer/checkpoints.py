@@ -13,7 +13,8 @@ takes the newest folder: a run that dies while saving leaves a folder that looks
 folder, may be one still in progress), and `train(resume_from_checkpoint=...)` checks the checkpoint before anything
 is loaded: a marker still in progress, a missing or resized file, a checkpoint of `--save_only_model` (no optimizer,
 schedule or random state to continue from), settings that differ from this run's, or a PEFT adapter of other tensors
-(other LoRA target modules or rank: `check_adapter_fits`) are an error that names the cause. A
+(other LoRA target modules or rank: `check_adapter_fits`; or PEFT switched on or off since the save) are an error that
+names the cause. A
 checkpoint without a marker (written without the plugin) is loaded as the Trainer would, with a warning that
 nothing could be checked.
 
@@ -44,13 +45,22 @@ import torch
 from accelerate.utils.constants import FSDP_MODEL_NAME
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from transformers.utils import ADAPTER_CONFIG_NAME, ADAPTER_SAFE_WEIGHTS_NAME
+from transformers.utils import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+)
 
 from ..checkpoint_marker import MARKER, newest_complete_checkpoint, read_marker
 from ..distributed import ParallelDims
 from ..integration import compat, compat_checks
 from ..integration.architectures import transformers_release
 from ..integration.patching import PatchSet, temporarily
+from ..resharding.checkpoint import read_layout
 from ..resharding.resume import SHARDED_STATE, has_sharded_state, resharded_loading, runs_fsdp2, sharded_saving
 from ..smet.checkpoint import SavedStateMismatch
 from ..smet.factory import SMETOptimizerFactory
@@ -424,15 +434,25 @@ def check_weights_fit(folder: Path, model: Any) -> None:
                              f"(--model_name_or_path {folder}).")
 
 
-def check_adapter_fits(folder: Path, model: Any) -> None:
+def check_adapter_fits(folder: Path, model: Any, marked: bool = True) -> None:
     """Raise ValueError, naming a tensor and the adapter settings saved, when `model` is a PEFT model whose adapter
     (the one the Trainer resumes, its first active one) has other tensors than the checkpoint `folder` saved: other
     target modules, rank or modules to save (TRL's --lora_target_modules, --lora_r). The Trainer's load refuses those
     only with a traceback from every rank (another rank: the adapter's "size mismatch"; another number of tensors: the
     optimizer's parameter groups), and resumes as many target modules as saved but other ones silently, with one
-    tensor's optimizer state on another's. (A checkpoint without the adapter's file is left to the Trainer.)"""
+    tensor's optimizer state on another's. (A checkpoint without the adapter's file is left to the Trainer.)
+
+    A checkpoint the plugin `marked` is refused too when PEFT was switched on or off since: the whole model's weights
+    and no adapter resumed by a PEFT model (the Trainer loads no weight, then fails on the optimizer's parameter
+    groups), an adapter and no whole model resumed by a model without one (the Trainer looks for a sharded model);
+    under FSDP2 with a sharded state dict type, which saves neither, a sharded state of such other parameters (its
+    load fails on a KeyError). (Accelerate's FSDP files, the sharded state type's without the plugin's, are left to
+    the Trainer.)"""
     peft = sys.modules.get("peft")  # (a model is a PEFT model only where `peft` was imported)
-    if peft is None or not isinstance(model, peft.PeftModel):
+    ours = peft is not None and isinstance(model, peft.PeftModel)
+    if marked:
+        _check_peft_kept(folder, model, ours or getattr(model, "_hf_peft_config_loaded", False))
+    if not ours:
         return
     name = model.active_adapters[0]
     # (the Trainer's load: the adapter's own subfolder where it has one, as PEFT saves an adapter not named "default")
@@ -452,15 +472,58 @@ def check_adapter_fits(folder: Path, model: Any) -> None:
     if not differ:
         return
     saved_config = path.parent / ADAPTER_CONFIG_NAME
-    config = json.loads(saved_config.read_text()) if saved_config.is_file() else {}
-    targets = config.get("target_modules")  # (a list, saved from PEFT's set in any order; or a regex, a string)
-    targets = " ".join(sorted(targets)) if isinstance(targets, list) else targets
-    flags = " ".join(f"--{flag} {value}" for flag, value in (("lora_target_modules", targets),
-                                                             ("lora_r", config.get("r"))) if value is not None)
+    flags = _adapter_flags(saved_config)
     raise ValueError(f"Checkpoint {str(folder)!r} holds a PEFT adapter with other tensors than this run's "
                      f"({len(differ)} differ; e.g. {differ[0]}): its optimizer state cannot continue this run's "
                      f"adapter. Resume with the adapter settings it was saved with ({saved_config}"
                      f"{'; TRL: ' + flags if flags else ''}), or train from the start in a new --output_dir.")
+
+
+def _check_peft_kept(folder: Path, model: Any, adapter: bool) -> None:
+    """Raise ValueError, naming what the checkpoint `folder` holds and the fix, when a run with an `adapter` (PEFT)
+    resumes one that holds the whole model's weights and no adapter, or a run without one a checkpoint that holds an
+    adapter and not the whole model: its optimizer state is for other parameters than `model` trains."""
+    # (as the Trainer's load finds an adapter: in the folder, or each of several adapters in its own subfolder)
+    adapters = [p for d in (folder, *sorted(sub for sub in folder.iterdir() if sub.is_dir()))
+                for p in (d / ADAPTER_SAFE_WEIGHTS_NAME, d / ADAPTER_WEIGHTS_NAME) if p.is_file()]
+    whole = [name for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+             if (folder / name).is_file()]
+    if bool(adapters) != bool(whole):
+        saved_adapter, holds = bool(adapters), str(adapters[0].relative_to(folder)) if adapters else whole[0]
+    elif not adapters and has_sharded_state(folder):
+        # (FSDP2 with a sharded state dict type saves neither: its sharded state's parameter names tell, a PEFT model's
+        # all under `base_model.`; only where they are not this run's, which its load fails on with a KeyError)
+        names = {name.split("/", 1)[1] for name in read_layout(folder / SHARDED_STATE)[1] if name.startswith("model/")}
+        if not names or names == {name for name, _ in model.named_parameters()}:
+            return
+        saved_adapter, holds = all(n.startswith("base_model.") for n in names), f"its parameters in {SHARDED_STATE}/"
+    else:
+        return
+    if adapter and not saved_adapter:
+        weights = (f" (--model_name_or_path {folder})" if whole else
+                   ", the whole model its run saved in its --output_dir at the end (--model_name_or_path that folder)")
+        raise ValueError(f"Checkpoint {str(folder)!r} holds the whole model's weights ({holds}) and no PEFT adapter: "
+                         "it was saved by a run without PEFT, whose optimizer state is the whole model's, and this run "
+                         "trains an adapter. Resume it without the adapter, as it was saved (TRL: without --use_peft), "
+                         f"or train from the start in a new --output_dir: a new LoRA run may start from its weights"
+                         f"{weights}.")
+    if not adapter and saved_adapter:
+        config = adapters[0].parent / ADAPTER_CONFIG_NAME if adapters else None
+        flags = " ".join(("--use_peft", _adapter_flags(config) if config else "with its LoRA settings")).strip()
+        raise ValueError(f"Checkpoint {str(folder)!r} holds a PEFT adapter ({holds}) and not the whole model's "
+                         "weights: it was saved by a PEFT run, whose optimizer state is the adapter's, and this run "
+                         "trains the whole model. Resume it with the adapter it was saved with ("
+                         f"{f'{config}; ' if config else ''}TRL: {flags}), or train from the start in a new "
+                         "--output_dir.")
+
+
+def _adapter_flags(config_path: Path) -> str:
+    """TRL's flags for the LoRA settings of the saved adapter_config.json `config_path` ("" where it has none)."""
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    targets = config.get("target_modules")  # (a list, saved from PEFT's set in any order; or a regex, a string)
+    targets = " ".join(sorted(targets)) if isinstance(targets, list) else targets
+    return " ".join(f"--{flag} {value}" for flag, value in (("lora_target_modules", targets),
+                                                            ("lora_r", config.get("r"))) if value is not None)
 
 
 def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -566,7 +629,7 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
                                                             reshardable=runs_fsdp2(trainer))
                 if folder:
                     check_weights_fit(Path(folder), trainer.model)
-                    check_adapter_fits(Path(folder), trainer.model)
+                    check_adapter_fits(Path(folder), trainer.model, marked=marker is not None)
                 if folder and not reshard:  # (a resharded resume takes the optimizer from the sharded state)
                     check_optimizer_resumable(trainer)
             if folder:

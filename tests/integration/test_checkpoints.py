@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, defau
 import hf_sparse_cp
 from hf_sparse_cp import SparseCPArguments, attach_to_trainer, detach_from_trainer
 from hf_sparse_cp.integration.architectures import transformers_release
-from hf_sparse_cp.testing.spawn import launch_cli, run_cli
+from hf_sparse_cp.testing.spawn import launch_cli, run_cli, run_gloo
 from hf_sparse_cp.testing.tiny_models import tiny_config
 from hf_sparse_cp.trainer.arguments import is_flag_error
 from hf_sparse_cp.trainer.checkpoints import CPU_PROCESSES_RESUME_SINCE, MARKER, CheckpointMarkerCallback
@@ -167,6 +167,73 @@ def test_a_lora_checkpoint_resumed_with_other_adapter_settings_is_refused_as_a_b
     again = _trainer(tmp_path / "again", lora=saved)  # the settings it was saved with resume it
     again.train(resume_from_checkpoint=checkpoint)
     assert again.state.global_step == 4
+
+
+@pytest.mark.parametrize("saved, resumed, holds", [
+    (None, {"target_modules": ["q_proj", "v_proj"], "r": 4},
+     "holds the whole model's weights \\(model.safetensors\\) and no PEFT adapter: .*Resume it without the adapter, "
+     "as it was saved \\(TRL: without --use_peft\\), or train from the start in a new --output_dir: a new LoRA run "
+     "may start from its weights \\(--model_name_or_path .*checkpoint-2\\)"),
+    ({"target_modules": ["q_proj", "v_proj"], "r": 4}, None,
+     "holds a PEFT adapter \\(adapter_model.safetensors\\) and not the whole model's weights: .*Resume it with the "
+     "adapter it was saved with \\(.*adapter_config.json; TRL: --use_peft --lora_target_modules q_proj v_proj "
+     "--lora_r 4\\), or train from the start in a new --output_dir"),
+], ids=["full_then_lora", "lora_then_full"])
+def test_a_checkpoint_resumed_with_peft_switched_on_or_off_is_refused_as_a_bad_flag(tmp_path, saved, resumed, holds):
+    """A full fine-tune's checkpoint resumed with a LoRA adapter ended with a traceback from every rank (the optimizer's
+    "parameter group that doesn't match", after a load that matched no weight), a LoRA run's resumed without one too
+    (the Trainer's "Can't find a checkpoint index"). A checkpoint without the plugin's marker is left to the Trainer."""
+    from hf_sparse_cp.trainer.checkpoints import check_adapter_fits
+
+    _trainer(tmp_path / "run", lora=saved, max_steps=2).train()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    trainer = _trainer(tmp_path / "resume", lora=resumed)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(ValueError, match=holds) as refused:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert is_flag_error(refused.value)  # (under the launcher: the message once, exit status 2)
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # nothing was loaded
+    (checkpoint / MARKER).unlink()  # (a checkpoint the plugin did not write: the Trainer's load, as without it)
+    with pytest.raises(ValueError) as left:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert not is_flag_error(left.value) and "PEFT" not in str(left.value)
+    # (what the Trainer saves under FSDP with a sharded state dict type holds neither: left to it too)
+    for name in ("model.safetensors", "adapter_model.safetensors"):
+        (checkpoint / name).unlink(missing_ok=True)
+    check_adapter_fits(checkpoint, trainer.model)
+
+
+def _fsdp2_sharded_run(rank: int, world: int, out: str, resume: str | None, lora: bool) -> tuple:
+    """`_trainer` under FSDP2 with a sharded state dict type (checkpoints: the sharded state, no weights file) on 2 CPU
+    processes, LoRA or not: (global step,) trained, or (message, is it a flag error) refused."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    config = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+              "state_dict_type": "SHARDED_STATE_DICT"}
+    trainer = _trainer(Path(out), lora={"target_modules": ["q_proj", "v_proj"], "r": 4} if lora else None,
+                       fsdp="full_shard", fsdp_config=config, max_steps=4 if resume else 2)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except ValueError as e:
+        return str(e), is_flag_error(e)
+    return (trainer.state.global_step,)
+
+
+def test_an_fsdp2_sharded_checkpoint_resumed_with_peft_switched_on_or_off_is_refused_as_a_bad_flag(tmp_path):
+    """FSDP2 with a sharded state dict type saves no weights file, only the sharded state: a LoRA run's resumed without
+    LoRA, or a full fine-tune's with it, failed on every rank with a KeyError (a parameter's name not in it)."""
+    for lora in (True, False):
+        run = tmp_path / f"run_{lora}"
+        assert run_gloo(_fsdp2_sharded_run, 2, str(run), None, lora) == [(2,)] * 2
+        checkpoint = str(run / "checkpoint-2")
+        assert not {"model.safetensors", "adapter_model.safetensors"} & set(os.listdir(checkpoint))
+        refused = run_gloo(_fsdp2_sharded_run, 2, str(tmp_path / f"other_{lora}"), checkpoint, not lora)
+        holds = ("holds a PEFT adapter (its parameters in hf_sparse_cp_sharded_state/) and not the whole model's "
+                 "weights" if lora else "holds the whole model's weights (its parameters in "
+                 "hf_sparse_cp_sharded_state/) and no PEFT adapter")
+        assert all(flag and holds in message for message, flag in refused), refused
+    # a LoRA run resumed with LoRA, as saved, is not refused
+    assert run_gloo(_fsdp2_sharded_run, 2, str(tmp_path / "again"), str(tmp_path / "run_True" / "checkpoint-2"),
+                    True) == [(4,)] * 2
 
 
 def test_a_model_only_checkpoint_is_refused_naming_its_weights(tmp_path):
