@@ -273,13 +273,16 @@ def _as_rows(output, real: int, rows: int):
     return output
 
 def _say_unsplit_step(trainer: Trainer, cp_size: int) -> None:
-    """Warn once per trainer that a training step ran no forward on a CP shard: its `training_step` ran the model on
-    the batch itself, outside the Trainer's prepared inputs (TRL's experimental OnlineDPOTrainer; a script's own
-    step): every rank of the group then computes the whole rows, one process's result without CP's memory saving, while
-    the run's start said each sequence was split."""
+    """Warn once per trainer, on the first process (as CP's notes at start: every rank's step runs unsplit alike),
+    that a training step ran no forward on a CP shard: its `training_step` ran the model on the batch itself, outside
+    the Trainer's prepared inputs (TRL's experimental OnlineDPOTrainer; a script's own step): every rank of the group
+    then computes the whole rows, one process's result without CP's memory saving, while the run's start said each
+    sequence was split."""
     if trainer.__dict__.get("_hf_sparse_cp_said_unsplit"):
         return
     trainer.__dict__["_hf_sparse_cp_said_unsplit"] = True
+    if not trainer.is_world_process_zero():  # (the launcher shows every process's log: the warning printed N times)
+        return
     logger.warning(
         "Context parallelism (CP %d) split no sequence in this training step: %s.training_step runs the model on the "
         "batch itself, outside the Trainer's prepared inputs (its compute_loss), so every rank of a CP group "

@@ -425,6 +425,13 @@ class SparseTrainerMixin:
         with the trained model's pattern (`reference.py`); before anything runs it."""
         attend_like_trained_model(self, self.args.plugin_arguments(), self.max_length)
 
+    def _precompute_ref_logps(self, *args, **kwargs):
+        """TRL DPO's and KTO's `--precompute_ref_log_probs` pass, run in their `__init__` before `train`, with the
+        reference it runs (a given one; under FSDP, one TRL loads from the model's path and frees after the pass)
+        attending as the trained model does: it ran the stock attention, a bias in every reward."""
+        self._attend_like_trained_model()
+        return super()._precompute_ref_logps(*args, **kwargs)
+
     def train(self, *args, **kwargs):
         """The Trainer's `train`, with a TRL reference model attending as the trained model does, and the plugin's
         process-wide state torn down at exit once the run finished."""

@@ -333,6 +333,24 @@ def test_trls_generating_script_under_cp2_equals_one_process(workdir, script, fs
     assert (workdir / f"{script}_cp2" / "checkpoint-3" / "hf_sparse_cp_sharded_state").exists() == fsdp
 
 
+def test_trls_dpo_script_with_precomputed_reference_log_probs_under_fsdp2_cp2_equals_one_process(workdir):
+    """dpo.py with --precompute_ref_log_probs under an accelerate FSDP2 config: TRL loads a reference from the model's
+    path and runs it in DPOTrainer's `__init__`, before `train`, where the plugin switches a reference to the trained
+    model's pattern: its log-probs were the stock attention's, the rewards at step 1 away from 0 (0.004 and 0.021,
+    the loss 0.7015 for log 2, with or without CP). Under CP 2 it trains as one process, the two one model at step 1."""
+    prompts, chosen, rejected = _words(8, 0), _words(8, 1), _words(8, 2)
+    data = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in zip(prompts, chosen, rejected)]
+    with socket.socket() as s:  # (a free port: accelerate's default, 29500, may be another test's)
+        s.bind(("127.0.0.1", 0))
+        (workdir / "fsdp2_dpo.yaml").write_text(FSDP2_CONFIG.format(port=s.getsockname()[1]))
+    args = ["--optim", "sgd", "--learning_rate", "0.05", "--precompute_ref_log_probs", "true"]
+    one, cp2 = (_trl_script(workdir, f"dpo_pre_{name}", "dpo", data, args, cp) for name, cp in (
+        ("one", []), ("cp2", ["--config_file", str(workdir / "fsdp2_dpo.yaml"), "--cp_size", "2"])))
+    _, reference = _assert_cp2_trains_as_one_process(workdir, "dpo_pre", one(), cp2(), (
+        "loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"))
+    assert (reference[0]["rewards/chosen"], reference[0]["loss"]) == ("0", "0.6931"), reference[0]
+
+
 def test_trls_reward_script_under_cp2_equals_one_process(workdir):
     """TRL's reward.py (a sequence-classification head scoring each row's last token, its own pairwise loss) trains
     with sparse attention, and under CP 2, where it was refused at start, as one process does: its batches are kept
