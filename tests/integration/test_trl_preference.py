@@ -378,3 +378,39 @@ def test_reward_under_cp_equals_one_process(tmp_path, cp, settings, lora, world)
         _assert_one_process(rank, one, abs_tol=1e-6)
         # (each rank's forward took half of each of its rows: a DP group's longest row is at most the batch's)
         assert all(2 * n <= m + 64 for n, m in zip(rank["lengths"][:2], one["lengths"][:2])), rank["lengths"]
+
+
+def test_precomputed_reference_log_probs_are_cached_per_pattern(tmp_path):
+    """TRL's DPO caches the reference log-probs it precomputes beside the dataset, keyed by the processed data's
+    fingerprint and the reference's weights: the trained model's pattern is part of the key too (where the arguments
+    do not carry it, a run would read another attention's log-probs back), and each attention's own log-probs are read
+    back by a later run of the same attention."""
+    from trl import DPOConfig, DPOTrainer
+
+    from hf_sparse_cp import sparse_arguments_class, sparse_trainer_class
+    from hf_sparse_cp.trainer.reference import PRECOMPUTE_KEY
+
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    weights = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer), hidden_size=64,
+                                                           intermediate_size=128, head_dim=16)).state_dict()
+    data = datasets.Dataset.from_dict(_pairs(4))
+
+    def precomputed(sparse: bool) -> tuple[torch.Tensor, str]:
+        models = [AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer), hidden_size=64,
+                                                               intermediate_size=128, head_dim=16)) for _ in "mr"]
+        for model in models:
+            model.load_state_dict(weights)
+        settings = dict(output_dir=str(tmp_path), **DPO, precompute_ref_log_probs=True)
+        args = sparse_arguments_class(DPOConfig)(**settings, **PATTERN) if sparse else DPOConfig(**settings)
+        trainer = (sparse_trainer_class(DPOTrainer) if sparse else DPOTrainer)(
+            model=models[0], ref_model=models[1], args=args, train_dataset=data, processing_class=tokenizer)
+        return torch.tensor(trainer.train_dataset["ref_chosen_logps"]), getattr(trainer, PRECOMPUTE_KEY)
+
+    stock, stock_key = precomputed(sparse=False)
+    sparse, sparse_key = precomputed(sparse=True)
+    assert sparse_key != stock_key
+    assert not torch.allclose(sparse, stock), (sparse, stock)  # (the pattern drops blocks of these rows)
+    again, _ = precomputed(sparse=True)  # (read back from the cache, or computed again: the same log-probs)
+    assert torch.equal(again, sparse)
+    assert torch.equal(precomputed(sparse=False)[0], stock)
