@@ -79,6 +79,10 @@ from .tied_weights import alias_tied_weights
 
 logger = logging.getLogger(__name__)
 
+# (a trainer's flag: the model its Trainer class loads in its own __init__ is yet to be set up for the plugin)
+_LOADED_MODEL_TO_SET_UP = "_hf_sparse_cp_loaded_model_to_set_up"
+
+
 def _has_accelerator() -> bool:
     return torch.accelerator.is_available()
 
@@ -332,6 +336,7 @@ class SparseTrainerMixin:
         self.max_length = self._length_set or _first_length(kwargs.get("train_dataset"))
         self._packed_documents = _packs_documents(kwargs.get("data_collator"), args)
         loaded_here = isinstance(model, str)  # (TRL loads a model named by its Hub id in its own __init__)
+        self.__dict__[_LOADED_MODEL_TO_SET_UP] = loaded_here
         if model is not None and not loaded_here:  # (None: `model_init`'s, configured in `call_model_init`)
             self._configure_model(model, args)
         skip_unused_parameter_search(self, model, args)  # (model_init's model: in `call_model_init`)
@@ -340,16 +345,23 @@ class SparseTrainerMixin:
                 trainer_init(model, args, *rest, **kwargs)
             else:  # by name: a Trainer class's second parameter may be another (TRL DPOTrainer's is ref_model)
                 trainer_init(model, args=args, **kwargs)
-        if loaded_here:
-            self._packed_documents = _packs_documents(self.data_collator, args)
-            self._configure_model(self.model, args)
-            skip_unused_parameter_search(self, self.model, args)
+        self._configure_loaded_model()
         self.parallel = attach_to_trainer(self, args.plugin_arguments(), args.context_parallel_config(),
                                           max_length=self.max_length, cp_schedule=args.cp_schedule)
         smet = args.smet_optimizer_config()
         if smet is not None:
             with flag_errors():  # (settings against the model: a block size that does not divide a weight's columns)
                 install_smet(self, smet)
+
+    def _configure_loaded_model(self) -> None:
+        """Set up the model the Trainer class loaded in its own `__init__` (TRL, from a Hub id), once: after that
+        `__init__`, or within it where it runs the model first (`_precompute_ref_logps`)."""
+        if not self.__dict__.get(_LOADED_MODEL_TO_SET_UP):
+            return
+        self.__dict__[_LOADED_MODEL_TO_SET_UP] = False
+        self._packed_documents = _packs_documents(self.data_collator, self.args)
+        self._configure_model(self.model, self.args)
+        skip_unused_parameter_search(self, self.model, self.args)
 
     def _configure_model(self, model: torch.nn.Module, args: SparseArgumentsMixin) -> None:
         """Switch `model` to the sparse backend with the run's pattern; with `--sparse_attention false`, refuse one
@@ -430,6 +442,7 @@ class SparseTrainerMixin:
         reference it runs (a given one; under FSDP, one TRL loads from the model's path and frees after the pass)
         attending as the trained model does: it ran the stock attention, a bias in every reward. Their cache of the
         result is keyed by the pattern too (`reference.key_precomputed_by_pattern`)."""
+        self._configure_loaded_model()  # (a Hub id: TRL loaded the model in this __init__, not yet set up)
         self._attend_like_trained_model()
         key_precomputed_by_pattern(self)
         return super()._precompute_ref_logps(*args, **kwargs)
