@@ -225,6 +225,9 @@ def _gguf_config(path: str, file: Path) -> dict[str, Any]:
         return AutoConfig.from_pretrained(file.parent, gguf_file=file.name).to_dict()
     except ValueError as e:  # (an architecture transformers' GGUF reader does not know)
         raise ValueError(f"--config {path}: {e} Give the model's config.json.") from None
+    except ImportError:  # (transformers reads GGUF metadata with the `gguf` package)
+        raise ValueError(f"--config {path}: reading a GGUF file's metadata needs the gguf package (pip install gguf), "
+                         "or give the model's config.json.") from None
 
 
 def _json_config(path: str, file: Path) -> Any:

@@ -1087,6 +1087,23 @@ def test_a_model_that_is_no_preset_names_the_flag_that_reads_it(command, given, 
     assert fix in err, err
 
 
+@pytest.mark.parametrize("command", [["memory", "--seq-len", "4096"], ["simulate", "--seq", "16384"]],
+                         ids=["memory", "simulate"])
+def test_a_gguf_file_without_the_gguf_package_names_the_install(tmp_path, capsys, monkeypatch, command):
+    """Without the `gguf` package (an extra), transformers' GGUF reader raises ImportError: `memory` ended in its
+    traceback. Both commands refuse it naming the install, or the model's config.json."""
+    import transformers
+
+    def no_gguf(*args, **kwargs):
+        raise ImportError("Loading a GGUF checkpoint in PyTorch requires both PyTorch and GGUF>=0.10.0 installed.")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_gguf)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(SystemExit):
+        cli_main([*command, "--config", str(tmp_path / "model.gguf")])
+    assert "needs the gguf package (pip install gguf)" in capsys.readouterr().err
+
+
 def test_a_folder_without_config_json_is_named_as_such(tmp_path, capsys):
     """`--config FOLDER` without a config.json in it was refused as "no such file" for a folder that is there."""
     with pytest.raises(SystemExit):
