@@ -118,6 +118,12 @@ def locality_refusal(module: torch.nn.Module, locality: tuple[str, int], what: s
             f"sparse_cp does not implement chunked attention (layer {getattr(module, 'layer_idx', '?')} of model type "
             f"'{model_type}' attends within chunks of attention_chunk_size={size} tokens, which its attention mask "
             f"carries and sparse_cp does not use), and {what}: {fix}, or {dense}")
+    if builds_sliding_window_mask(config) is False:  # (under torch.compile only: `mask_only_window`)
+        return ValueError(
+            f"{type(module).__name__} of model type '{model_type}' has config.sliding_window={size}, which its own "
+            "forward attends past (SDPA does; only generate's masks may hold it), and under torch.compile sparse_cp "
+            f"does not read the mask that says which, and {what}. {fix[:1].upper()}{fix[1:]}, run it without "
+            f"torch.compile, or {dense}")
     return ValueError(
         f"{type(module).__name__} of model type '{model_type}' puts its sliding window (config.sliding_window={size}) "
         "into the attention mask only, without passing it to the attention function, and config.layer_types does "

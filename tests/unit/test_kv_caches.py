@@ -306,6 +306,26 @@ def test_static_cache_generation_past_the_window_of_a_model_without_layer_types_
     assert rel_rms(torch.stack(got.logits), torch.stack(want.logits)) <= TOLERANCE[torch.float32]
 
 
+MASK_ONLY = "into the attention mask only, without passing it to the attention function"
+
+
+@pytest.mark.parametrize(("model_type", "says"), [
+    ("llama", "which its own forward attends past"), ("olmoe", "which its own forward attends past"),
+    ("qwen2_moe", MASK_ONLY)])
+def test_a_window_refused_under_compile_is_described_as_the_models_code_uses_it(model_type, says):
+    """Under torch.compile a config's window that only a mask could hold is refused for longer documents: a Llama's or
+    OLMoE's was described as Qwen2-MoE's, "into the attention mask only, without passing it to the attention
+    function", though OLMoE passes it and neither's forward applies it."""
+    from hf_sparse_cp.integration.call_refusals import locality_refusal
+
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, sliding_window=8))
+    attention = next(m for m in model.modules() if type(m).__name__.endswith("Attention"))
+    message = str(locality_refusal(attention, ("window", 8), "this call has a document of 9 tokens",
+                                   "train documents of at most 8 tokens"))
+    assert says in message and "config.sliding_window=8" in message, message
+    assert ("without torch.compile" in message) == (says != MASK_ONLY), message
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gpt2", "olmoe"])
 def test_a_window_field_the_models_own_code_never_reads_is_computed_as_sdpa_computes_it(model_type):
     """A Llama or GPT-2 config that carries `sliding_window` (their modeling code never reads it: their forward
