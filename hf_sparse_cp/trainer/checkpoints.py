@@ -469,9 +469,14 @@ def check_adapter_fits(folder: Path, model: Any, marked: bool = True) -> None:
               + [f"this run's {key} is not in it" for key in ours if key not in saved]
               + [f"its {key} is {list(saved[key])}, this run's {list(ours[key])}" for key in saved
                  if key in ours and saved[key] != ours[key]])
+    saved_config = path.parent / ADAPTER_CONFIG_NAME
+    # (a module to save that this run drops: the filter above keeps its saved copy out, named as the base's module)
+    modules = [sorted(set(c.get("modules_to_save") or ())) for c in (_saved_adapter_config(saved_config),
+                                                                      model.peft_config[name].to_dict())]
+    if modules[0] != modules[1]:
+        differ.append(f"its modules_to_save are {modules[0]}, this run's {modules[1]}")
     if not differ:
         return
-    saved_config = path.parent / ADAPTER_CONFIG_NAME
     flags = _adapter_flags(saved_config)
     raise ValueError(f"Checkpoint {str(folder)!r} holds a PEFT adapter with other tensors than this run's "
                      f"({len(differ)} differ; e.g. {differ[0]}): its optimizer state cannot continue this run's "
@@ -517,13 +522,19 @@ def _check_peft_kept(folder: Path, model: Any, adapter: bool) -> None:
                          "--output_dir.")
 
 
+def _saved_adapter_config(config_path: Path) -> dict[str, Any]:
+    """The saved adapter_config.json `config_path` ({} where there is none)."""
+    return json.loads(config_path.read_text()) if config_path.is_file() else {}
+
+
 def _adapter_flags(config_path: Path) -> str:
     """TRL's flags for the LoRA settings of the saved adapter_config.json `config_path` ("" where it has none)."""
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config = _saved_adapter_config(config_path)
     targets = config.get("target_modules")  # (a list, saved from PEFT's set in any order; or a regex, a string)
     targets = " ".join(sorted(targets)) if isinstance(targets, list) else targets
-    return " ".join(f"--{flag} {value}" for flag, value in (("lora_target_modules", targets),
-                                                            ("lora_r", config.get("r"))) if value is not None)
+    modules = " ".join(sorted(config.get("modules_to_save") or ())) or None
+    flags = ("lora_target_modules", targets), ("lora_r", config.get("r")), ("lora_modules_to_save", modules)
+    return " ".join(f"--{flag} {value}" for flag, value in flags if value is not None)
 
 
 def _shapes(path: Path) -> dict[str, tuple[int, ...]]:

@@ -169,6 +169,26 @@ def test_a_lora_checkpoint_resumed_with_other_adapter_settings_is_refused_as_a_b
     assert again.state.global_step == 4
 
 
+def test_a_lora_checkpoint_resumed_without_its_modules_to_save_is_refused_as_a_bad_flag(tmp_path):
+    """A module to save (a trained copy of lm_head) dropped on resume was not seen: its saved copy bears the base
+    model's name, which the tensor check left out as a resized embedding's. The Trainer's loose load then wrote it
+    into the frozen lm_head and failed on the optimizer's parameter groups, a traceback from every rank."""
+    from hf_sparse_cp.trainer.arguments import is_flag_error
+
+    saved = {"target_modules": ["q_proj", "v_proj"], "r": 4, "modules_to_save": ["lm_head"]}
+    _trainer(tmp_path / "run", lora=saved, max_steps=2).train()
+    checkpoint = str(tmp_path / "run" / "checkpoint-2")
+    trainer = _trainer(tmp_path / "resume", lora={**saved, "modules_to_save": None})
+    named = ("its modules_to_save are \\['lm_head'\\], this run's \\[\\].*TRL: --lora_target_modules q_proj v_proj "
+             "--lora_r 4 --lora_modules_to_save lm_head\\)")
+    with pytest.raises(ValueError, match=named) as refused:
+        trainer.train(resume_from_checkpoint=checkpoint)
+    assert is_flag_error(refused.value)
+    again = _trainer(tmp_path / "again", lora=saved)  # (kept: no false refusal)
+    again.train(resume_from_checkpoint=checkpoint)
+    assert again.state.global_step == 4
+
+
 @pytest.mark.parametrize("saved, resumed, holds", [
     (None, {"target_modules": ["q_proj", "v_proj"], "r": 4},
      "holds the whole model's weights \\(model.safetensors\\) and no PEFT adapter: .*Resume it without the adapter, "
