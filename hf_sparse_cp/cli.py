@@ -310,7 +310,8 @@ def _train(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run `hf-sparse-cp ARGV` (default: this process's command line, `sys.argv[1:]`) and return its exit status, for
-    a Python caller to go on after it (the console script ends with it: `command_line`)."""
+    a Python caller to go on after it (the console script ends with it: `command_line`). Bad arguments, --help and
+    --version end as argparse ends them, raising SystemExit (status 2 or 0)."""
     return _command(sys.argv[1:] if argv is None else argv, from_command_line=False)
 
 
