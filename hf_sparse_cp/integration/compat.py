@@ -258,9 +258,7 @@ PATCHES = (
           parameters=("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
     *(Patch(f"trl.{name}Trainer", "_precompute_ref_logps", "calls", f"TRL {name}'s --precompute_ref_log_probs "
             "pass, run in its __init__ before train, runs the reference with the trained model's pattern "
-            "(`trainer.reference.attend_like_trained_model`), the key of its cache (the instance's "
-            "_precompute_model_hash, the reference's weights; where it has none, TRL's key is left) taking the "
-            "pattern too (`trainer.reference.key_precomputed_by_pattern`)",
+            "(`trainer.reference.attend_like_trained_model`), a model TRL loads from its Hub id set up before it",
             parameters=("self", "dataset", "name", "batch_size")) for name in ("DPO", "KTO")),
     Patch("trl.KTOTrainer", "compute_loss", "reads", "under CP, TRL's KTOTrainer trains as its DPOTrainer does, "
           "its forwards (the completions' and the mismatched pairs' for the KL estimate) on whole rows",

@@ -12,8 +12,6 @@ with the pattern. So before the Trainer runs, the reference gets the trained mod
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 
 import torch
@@ -27,10 +25,6 @@ from .attach import enable_sparse_attention
 from .whole_rows import REFERENCE_MODEL
 
 logger = logging.getLogger(__name__)
-
-# TRL DPO's and KTO's key of the reference log-probs they precompute and cache beside the dataset
-# (`--precompute_ref_log_probs`): a hash of the reference's weights, set in their `__init__`
-PRECOMPUTE_KEY = "_precompute_model_hash"
 
 
 def attend_like_trained_model(trainer: Trainer, sparse_args: SparseCPArguments, max_length: int | None) -> None:
@@ -61,18 +55,3 @@ def attend_like_trained_model(trainer: Trainer, sparse_args: SparseCPArguments, 
         logger.warning("%s.%s (the frozen reference it compares the trained model with) attends with sparse_cp and "
                        "the trained model's pattern, not %s: the two are one model before the first step.",
                        type(trainer).__name__, REFERENCE_MODEL, was)
-
-
-def key_precomputed_by_pattern(trainer: Trainer) -> None:
-    """Make the trained model's pattern part of the key under which TRL's DPO and KTO cache the reference log-probs
-    they precompute (`PRECOMPUTE_KEY`, beside the fingerprint of the dataset they processed): it hashes the reference's
-    weights only. The fingerprint carries the Trainer's arguments, the plugin's pattern flags among them (measured:
-    another pattern, or the stock attention, gives another), but not a pattern the arguments do not give (the plugin's
-    defaults of another release): such a run on the same data would read the log-probs another
-    attention computed from the datasets cache. Left as TRL set it where the trained model runs no sparse_cp."""
-    weights_key = trainer.__dict__.setdefault("_hf_sparse_cp_weights_key", getattr(trainer, PRECOMPUTE_KEY, None))
-    trained = trainer.accelerator.unwrap_model(trainer.model)
-    if weights_key is None or upstream.attn_implementation(getattr(trained, "config", None)) != BACKEND_NAME:
-        return
-    pattern = json.dumps(model_config_for(trained).to_dict(), sort_keys=True)
-    setattr(trainer, PRECOMPUTE_KEY, hashlib.sha256(f"{weights_key} {BACKEND_NAME} {pattern}".encode()).hexdigest())

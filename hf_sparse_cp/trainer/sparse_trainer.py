@@ -72,7 +72,7 @@ from .plugin_arguments import (
     launch_world_size,
     plugin_fields,
 )
-from .reference import attend_like_trained_model, key_precomputed_by_pattern
+from .reference import attend_like_trained_model
 from .schedule import parse_schedule
 from .smet import check_smet_optim, install_smet
 from .tied_weights import alias_tied_weights
@@ -440,11 +440,9 @@ class SparseTrainerMixin:
     def _precompute_ref_logps(self, *args, **kwargs):
         """TRL DPO's and KTO's `--precompute_ref_log_probs` pass, run in their `__init__` before `train`, with the
         reference it runs (a given one; under FSDP, one TRL loads from the model's path and frees after the pass)
-        attending as the trained model does: it ran the stock attention, a bias in every reward. Their cache of the
-        result is keyed by the pattern too (`reference.key_precomputed_by_pattern`)."""
+        attending as the trained model does: it ran the stock attention, a bias in every reward."""
         self._configure_loaded_model()  # (a Hub id: TRL loaded the model in this __init__, not yet set up)
         self._attend_like_trained_model()
-        key_precomputed_by_pattern(self)
         return super()._precompute_ref_logps(*args, **kwargs)
 
     def train(self, *args, **kwargs):

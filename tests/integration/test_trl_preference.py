@@ -380,14 +380,13 @@ def test_reward_under_cp_equals_one_process(tmp_path, cp, settings, lora, world)
         assert all(2 * n <= m + 64 for n, m in zip(rank["lengths"][:2], one["lengths"][:2])), rank["lengths"]
 
 
-def _precomputed(tmp_path, weights: dict, sparse: dict | None, as_path: bool = False) -> tuple[torch.Tensor, str]:
-    """The reference log-probs of the chosen completions a DPOTrainer precomputes in its `__init__`, and the key of its
-    cache: stock (`sparse` None) or with the plugin's flags `sparse`; the model given by its folder (`as_path`, as a
-    Hub id: TRL loads it) or as a model."""
+def _precomputed(tmp_path, weights: dict, sparse: dict | None, as_path: bool = False) -> torch.Tensor:
+    """The reference log-probs of the chosen completions a DPOTrainer precomputes in its `__init__`: stock (`sparse`
+    None) or with the plugin's flags `sparse`; the model given by its folder (`as_path`, as a Hub id: TRL loads it) or
+    as a model."""
     from trl import DPOConfig, DPOTrainer
 
     from hf_sparse_cp import sparse_arguments_class, sparse_trainer_class
-    from hf_sparse_cp.trainer.reference import PRECOMPUTE_KEY
 
     tokenizer = byte_tokenizer()
     config = tiny_config("llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, head_dim=16)
@@ -401,34 +400,17 @@ def _precomputed(tmp_path, weights: dict, sparse: dict | None, as_path: bool = F
     trainer = (sparse_trainer_class(DPOTrainer) if sparse is not None else DPOTrainer)(
         model=str(tmp_path / "m") if as_path else models[0], ref_model=models[1], args=args,
         train_dataset=datasets.Dataset.from_dict(_pairs(4)), processing_class=tokenizer)
-    return torch.tensor(trainer.train_dataset["ref_chosen_logps"]), getattr(trainer, PRECOMPUTE_KEY)
-
-
-def _tiny_weights() -> dict:
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(byte_tokenizer()), hidden_size=64,
-                                                        intermediate_size=128, head_dim=16)).state_dict()
-
-
-def test_precomputed_reference_log_probs_are_cached_per_pattern(tmp_path):
-    """TRL's DPO caches the reference log-probs it precomputes beside the dataset, keyed by the processed data's
-    fingerprint and the reference's weights only (the same weights: one key for the stock attention and any pattern,
-    where the fingerprint alone told them apart): the trained model's pattern is part of that key."""
-    weights = _tiny_weights()
-    stock, stock_key = _precomputed(tmp_path / "stock", weights, None)
-    sparse, sparse_key = _precomputed(tmp_path / "sparse", weights, PATTERN)
-    other = {**PATTERN, "sparse_vertical_topk": 2, "sparse_slash_topk": 2}
-    assert len({stock_key, sparse_key, _precomputed(tmp_path / "other", weights, other)[1]}) == 3
-    assert not torch.allclose(sparse, stock), (sparse, stock)  # (the pattern drops blocks of these rows)
+    return torch.tensor(trainer.train_dataset["ref_chosen_logps"])
 
 
 def test_precomputed_reference_log_probs_of_a_model_given_by_its_hub_id_are_the_patterns(tmp_path):
     """A model given by its Hub id (here its folder) is loaded in TRL's own `__init__`, which precomputes the reference
     log-probs before it returns: the plugin set the model up only after that, so the pass ran the stock attention (a
     bias in every reward). It is set up before the pass: the log-probs are those of the model given as a model."""
-    weights = _tiny_weights()
-    given, given_key = _precomputed(tmp_path / "given", weights, PATTERN)
-    loaded, loaded_key = _precomputed(tmp_path / "loaded", weights, PATTERN, as_path=True)
+    torch.manual_seed(0)
+    weights = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(byte_tokenizer()), hidden_size=64,
+                                                           intermediate_size=128, head_dim=16)).state_dict()
+    given = _precomputed(tmp_path / "given", weights, PATTERN)
+    loaded = _precomputed(tmp_path / "loaded", weights, PATTERN, as_path=True)
     assert torch.allclose(loaded, given, rtol=1e-6, atol=1e-5), (loaded, given)
-    assert loaded_key == given_key
-    assert not torch.allclose(_precomputed(tmp_path / "stock", weights, None)[0], given)
+    assert not torch.allclose(_precomputed(tmp_path / "stock", weights, None), given)  # (the pattern drops blocks)
