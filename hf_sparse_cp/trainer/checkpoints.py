@@ -448,16 +448,15 @@ def check_adapter_fits(folder: Path, model: Any, marked: bool = True) -> None:
     under FSDP2 with a sharded state dict type, which saves neither, a sharded state of such other parameters (its
     load fails on a KeyError). (Accelerate's FSDP files, the sharded state type's without the plugin's, are left to
     the Trainer.)"""
-    peft = sys.modules.get("peft")  # (a model is a PEFT model only where `peft` was imported)
-    ours = peft is not None and isinstance(model, peft.PeftModel)
     if marked:
-        _check_peft_kept(folder, model, ours or getattr(model, "_hf_peft_config_loaded", False))
-    if not ours:
+        _check_peft_kept(folder, model, _has_adapter(model))
+    peft = sys.modules.get("peft")
+    if peft is None or not isinstance(model, peft.PeftModel):
         return
     name = model.active_adapters[0]
     # (the Trainer's load: the adapter's own subfolder where it has one, as PEFT saves an adapter not named "default")
-    path = next((p for p in (folder / name / ADAPTER_SAFE_WEIGHTS_NAME, folder / ADAPTER_SAFE_WEIGHTS_NAME)
-                 if p.is_file()), None)
+    files = {path.parent: path for path in _adapter_files(folder) if path.name == ADAPTER_SAFE_WEIGHTS_NAME}
+    path = files.get(folder / name, files.get(folder))
     if path is None:
         return
     # (PEFT's own choice of whether to save the embedding weights too may read the base model's config from the Hub)
@@ -484,13 +483,30 @@ def check_adapter_fits(folder: Path, model: Any, marked: bool = True) -> None:
                      f"{'; TRL: ' + flags if flags else ''}), or train from the start in a new --output_dir.")
 
 
+def _has_adapter(model: Any) -> bool:
+    """Whether `model` trains a PEFT adapter: a PEFT model of any kind (`PeftModel`, `PeftMixedModel`, wrapped or not)
+    or one with PEFT's tuner layers (an adapter transformers' `add_adapter` put in)."""
+    peft = sys.modules.get("peft")  # (a model is a PEFT model only where `peft` was imported)
+    if peft is None:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    kinds = (peft.PeftModel, peft.PeftMixedModel, BaseTunerLayer)
+    return any(isinstance(module, kinds) for module in model.modules())
+
+
+def _adapter_files(folder: Path) -> list[Path]:
+    """The adapter weights files of the checkpoint `folder`, as the Trainer's load finds them: in the folder, or each of
+    several adapters in its own subfolder (PEFT saves an adapter not named "default" there)."""
+    return [p for d in (folder, *sorted(sub for sub in folder.iterdir() if sub.is_dir()))
+            for p in (d / ADAPTER_SAFE_WEIGHTS_NAME, d / ADAPTER_WEIGHTS_NAME) if p.is_file()]
+
+
 def _check_peft_kept(folder: Path, model: Any, adapter: bool) -> None:
     """Raise ValueError, naming what the checkpoint `folder` holds and the fix, when a run with an `adapter` (PEFT)
     resumes one that holds the whole model's weights and no adapter, or a run without one a checkpoint that holds an
     adapter and not the whole model: its optimizer state is for other parameters than `model` trains."""
-    # (as the Trainer's load finds an adapter: in the folder, or each of several adapters in its own subfolder)
-    adapters = [p for d in (folder, *sorted(sub for sub in folder.iterdir() if sub.is_dir()))
-                for p in (d / ADAPTER_SAFE_WEIGHTS_NAME, d / ADAPTER_WEIGHTS_NAME) if p.is_file()]
+    adapters = _adapter_files(folder)
     whole = [name for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
              if (folder / name).is_file()]
     if bool(adapters) != bool(whole):
