@@ -439,47 +439,51 @@ def check_adapter_fits(folder: Path, model: Any, marked: bool = True) -> None:
     (the one the Trainer resumes, its first active one) has other tensors than the checkpoint `folder` saved: other
     target modules, rank or modules to save (TRL's --lora_target_modules, --lora_r). The Trainer's load refuses those
     only with a traceback from every rank (another rank: the adapter's "size mismatch"; another number of tensors: the
-    optimizer's parameter groups), and resumes as many target modules as saved but other ones silently, with one
-    tensor's optimizer state on another's. (A checkpoint without the adapter's file is left to the Trainer.)
+    optimizer's parameter groups; under FSDP2 with a sharded state dict type, a KeyError or a size mismatch), and
+    resumes as many target modules as saved but other ones silently, with one tensor's optimizer state on another's.
+    The saved tensors are read without loading them (`_saved_tensors`); a checkpoint holding none of the adapter's is
+    left to the Trainer.
 
     A checkpoint the plugin `marked` is refused too when PEFT was switched on or off since: the whole model's weights
     and no adapter resumed by a PEFT model (the Trainer loads no weight, then fails on the optimizer's parameter
     groups), an adapter and no whole model resumed by a model without one (the Trainer looks for a sharded model);
     under FSDP2 with a sharded state dict type, which saves neither, a sharded state of such other parameters (its
-    load fails on a KeyError). (Accelerate's FSDP files, the sharded state type's without the plugin's, are left to
-    the Trainer.)"""
+    load fails on a KeyError)."""
+    adapter = _has_adapter(model)
     if marked:
-        _check_peft_kept(folder, model, _has_adapter(model))
-    peft = sys.modules.get("peft")
-    if peft is None or not isinstance(model, peft.PeftModel):
+        _check_peft_kept(folder, model, adapter)
+    found = _saved_tensors(folder, model) if adapter else None
+    if found is None:
         return
-    name = model.active_adapters[0]
-    # (the Trainer's load: the adapter's own subfolder where it has one, as PEFT saves an adapter not named "default")
-    files = {path.parent: path for path in _adapter_files(folder) if path.name == ADAPTER_SAFE_WEIGHTS_NAME}
-    path = files.get(folder / name, files.get(folder))
-    if path is None:
-        return
-    # (PEFT's own choice of whether to save the embedding weights too may read the base model's config from the Hub)
-    ours = {key: tuple(tensor.shape) for key, tensor in
-            peft.get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False).items()}
+    where, saved, ours = found
     base = model.state_dict().keys()  # (a run that resized the vocabulary saves the base model's embedding weights too)
-    saved = {key: shape for key, shape in _shapes(path).items() if key in ours or key not in base}
-    differ = ([f"its {key} is not in this run's adapter" for key in saved if key not in ours]
-              + [f"this run's {key} is not in it" for key in ours if key not in saved]
-              + [f"its {key} is {list(saved[key])}, this run's {list(ours[key])}" for key in saved
-                 if key in ours and saved[key] != ours[key]])
-    saved_config = path.parent / ADAPTER_CONFIG_NAME
-    # (a module to save that this run drops: the filter above keeps its saved copy out, named as the base's module)
-    modules = [sorted(set(c.get("modules_to_save") or ())) for c in (_saved_adapter_config(saved_config),
-                                                                      model.peft_config[name].to_dict())]
-    if modules[0] != modules[1]:
-        differ.append(f"its modules_to_save are {modules[0]}, this run's {modules[1]}")
+    saved = {key: shape for key, shape in saved.items() if key in ours or key not in base}
+    names = set(getattr(model, "peft_config", ()))  # (the adapter's own tensors first: a full name has its adapter's)
+    differ = sorted([(key, f"its {key} is not in this run's adapter") for key in saved if key not in ours]
+                    + [(key, f"this run's {key} is not in it") for key in ours if key not in saved]
+                    + [(key, f"its {key} is {list(saved[key])}, this run's {list(ours[key])}") for key in saved
+                       if key in ours and saved[key] != ours[key]],
+                    key=lambda item: names.isdisjoint(item[0].split(".")))
+    differ = [said for _, said in differ]
+    config_path = next((path / ADAPTER_CONFIG_NAME for path in (where.parent, folder)
+                        if (path / ADAPTER_CONFIG_NAME).is_file()), None)
+    if config_path is not None:
+        # (a module to save that this run drops: the filter above keeps its saved copy out, named as the base's module)
+        modules = [sorted(set(c.get("modules_to_save") or ())) for c in (_saved_adapter_config(config_path),
+                                                                          model.peft_config[_adapter_name(model)]
+                                                                          .to_dict())]
+        if modules[0] != modules[1]:
+            differ.append(f"its modules_to_save are {modules[0]}, this run's {modules[1]}")
     if not differ:
         return
-    flags = _adapter_flags(saved_config)
+    if config_path is not None:
+        flags, settings = _adapter_flags(_saved_adapter_config(config_path)), str(config_path)
+    else:  # (FSDP with a sharded state dict type saves no adapter_config.json: its tensors show the LoRA settings)
+        shown = f"{where.relative_to(folder)}{'/' * where.is_dir()}"
+        flags, settings = _adapter_flags(_lora_settings(saved)), f"as its {shown} shows"
     raise ValueError(f"Checkpoint {str(folder)!r} holds a PEFT adapter with other tensors than this run's "
                      f"({len(differ)} differ; e.g. {differ[0]}): its optimizer state cannot continue this run's "
-                     f"adapter. Resume with the adapter settings it was saved with ({saved_config}"
+                     f"adapter. Resume with the adapter settings it was saved with ({settings}"
                      f"{'; TRL: ' + flags if flags else ''}), or train from the start in a new --output_dir.")
 
 
@@ -495,11 +499,53 @@ def _has_adapter(model: Any) -> bool:
     return any(isinstance(module, kinds) for module in model.modules())
 
 
+def _adapter_name(model: Any) -> str:
+    """The adapter of the PEFT model `model` that the Trainer resumes: its first active one."""
+    active = model.active_adapters
+    return (active() if callable(active) else active)[0]
+
+
 def _adapter_files(folder: Path) -> list[Path]:
     """The adapter weights files of the checkpoint `folder`, as the Trainer's load finds them: in the folder, or each of
     several adapters in its own subfolder (PEFT saves an adapter not named "default" there)."""
     return [p for d in (folder, *sorted(sub for sub in folder.iterdir() if sub.is_dir()))
             for p in (d / ADAPTER_SAFE_WEIGHTS_NAME, d / ADAPTER_WEIGHTS_NAME) if p.is_file()]
+
+
+def _saved_tensors(folder: Path, model: Any) -> tuple[Path, dict[str, tuple[int, ...]],
+                                                      dict[str, tuple[int, ...]]] | None:
+    """Where the checkpoint `folder` holds the adapter that the PEFT model `model` resumes, with each tensor's shape
+    there and in `model` under the same names; None where it holds none of them (or `model` is no `PeftModel` and the
+    checkpoint has no sharded state). What the resume loads, read without loading a tensor: the plugin's sharded state
+    (FSDP2: every parameter, by its name in the model), else the adapter's safetensors file (in its own subfolder where
+    it has one) or, under FSDP with a sharded state dict type, accelerate's distributed checkpoint (its metadata),
+    both by PEFT's names (`get_peft_model_state_dict`)."""
+    if has_sharded_state(folder):
+        return folder / SHARDED_STATE, _sharded_parameters(folder), {
+            name: tuple(p.shape) for name, p in model.named_parameters()}
+    peft = sys.modules["peft"]
+    if not isinstance(model, peft.PeftModel):
+        return None
+    name = _adapter_name(model)
+    files = {path.parent: path for path in _adapter_files(folder) if path.name == ADAPTER_SAFE_WEIGHTS_NAME}
+    path = files.get(folder / name, files.get(folder))
+    dcp = folder / f"{FSDP_MODEL_NAME}_0"
+    if path is not None:
+        saved = _shapes(path)
+    elif (dcp / ".metadata").is_file():
+        path, saved = dcp, _dcp_shapes(dcp)
+    else:
+        return None
+    # (PEFT's own choice of whether to save the embedding weights too may read the base model's config from the Hub)
+    return path, saved, {key: tuple(tensor.shape) for key, tensor in
+                         peft.get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False).items()}
+
+
+def _sharded_parameters(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Each parameter the plugin's sharded state of the checkpoint `folder` holds, by its name in the model, with its
+    shape."""
+    return {name.split("/", 1)[1]: tuple(saved.shape) for name, saved in read_layout(folder / SHARDED_STATE)[1].items()
+            if name.startswith("model/")}
 
 
 def _check_peft_kept(folder: Path, model: Any, adapter: bool) -> None:
@@ -514,7 +560,7 @@ def _check_peft_kept(folder: Path, model: Any, adapter: bool) -> None:
     elif not adapters and has_sharded_state(folder):
         # (FSDP2 with a sharded state dict type saves neither: its sharded state's parameter names tell, a PEFT model's
         # all under `base_model.`; only where they are not this run's, which its load fails on with a KeyError)
-        names = {name.split("/", 1)[1] for name in read_layout(folder / SHARDED_STATE)[1] if name.startswith("model/")}
+        names = set(_sharded_parameters(folder))
         if not names or names == {name for name, _ in model.named_parameters()}:
             return
         saved_adapter, holds = all(n.startswith("base_model.") for n in names), f"its parameters in {SHARDED_STATE}/"
@@ -530,7 +576,8 @@ def _check_peft_kept(folder: Path, model: Any, adapter: bool) -> None:
                          f"{weights}.")
     if not adapter and saved_adapter:
         config = adapters[0].parent / ADAPTER_CONFIG_NAME if adapters else None
-        flags = " ".join(("--use_peft", _adapter_flags(config) if config else "with its LoRA settings")).strip()
+        settings = _saved_adapter_config(config) if config else _lora_settings(_sharded_parameters(folder))
+        flags = " ".join(("--use_peft", _adapter_flags(settings) or "with its LoRA settings"))
         raise ValueError(f"Checkpoint {str(folder)!r} holds a PEFT adapter ({holds}) and not the whole model's "
                          "weights: it was saved by a PEFT run, whose optimizer state is the adapter's, and this run "
                          "trains the whole model. Resume it with the adapter it was saved with ("
@@ -543,14 +590,29 @@ def _saved_adapter_config(config_path: Path) -> dict[str, Any]:
     return json.loads(config_path.read_text()) if config_path.is_file() else {}
 
 
-def _adapter_flags(config_path: Path) -> str:
-    """TRL's flags for the LoRA settings of the saved adapter_config.json `config_path` ("" where it has none)."""
-    config = _saved_adapter_config(config_path)
+def _adapter_flags(config: dict[str, Any]) -> str:
+    """TRL's flags for the LoRA settings of a saved adapter `config` (adapter_config.json's; "" where it has none)."""
     targets = config.get("target_modules")  # (a list, saved from PEFT's set in any order; or a regex, a string)
     targets = " ".join(sorted(targets)) if isinstance(targets, list) else targets
     modules = " ".join(sorted(config.get("modules_to_save") or ())) or None
     flags = ("lora_target_modules", targets), ("lora_r", config.get("r")), ("lora_modules_to_save", modules)
     return " ".join(f"--{flag} {value}" for flag, value in flags if value is not None)
+
+
+def _lora_settings(saved: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """The LoRA settings that `saved` tensors ({name: shape}, by PEFT's names or the model's) show, as
+    adapter_config.json gives them: the target modules (those with a lora_A or lora_embedding_A), their rank where they
+    share one, the modules to save (by the model's names only: PEFT's give a saved copy its base module's name)."""
+    found: dict[str, dict[str, int]] = {"lora_A": {}, "lora_embedding_A": {}, "modules_to_save": {}}
+    for name, shape in saved.items():
+        segments = name.split(".")
+        for part, modules in found.items():
+            if part in segments[1:]:
+                modules[segments[segments.index(part) - 1]] = shape[0]
+    targets = {**found["lora_A"], **found["lora_embedding_A"]}
+    ranks = set(targets.values())
+    return {"target_modules": sorted(targets) or None, "r": ranks.pop() if len(ranks) == 1 else None,
+            "modules_to_save": sorted(found["modules_to_save"])}
 
 
 def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -559,6 +621,17 @@ def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
     with safe_open(str(path), framework="pt") as saved:
         return {name: tuple(saved.get_slice(name).get_shape()) for name in saved.keys()}
+
+
+def _dcp_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor of the model state that accelerate saved as the distributed checkpoint `folder` (FSDP
+    with a sharded state dict type: {"model": state dict}), by its state dict name, read from its metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return {name.removeprefix("model."): tuple(meta.size) for name, meta in saved.items()
+            if name.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
 
 
 # The transformers release whose Trainer resumes the optimizer of a run of several CPU processes: before it, it loads

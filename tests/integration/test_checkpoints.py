@@ -223,14 +223,17 @@ def test_a_checkpoint_resumed_with_peft_switched_on_or_off_is_refused_as_a_bad_f
     check_adapter_fits(checkpoint, trainer.model)
 
 
-def _fsdp2_sharded_run(rank: int, world: int, out: str, resume: str | None, lora: bool) -> tuple:
+LORA = {"target_modules": ["q_proj", "v_proj"], "r": 4}
+
+
+def _fsdp2_sharded_run(rank: int, world: int, out: str, resume: str | None, lora: dict | None) -> tuple:
     """`_trainer` under FSDP2 with a sharded state dict type (checkpoints: the sharded state, no weights file) on 2 CPU
-    processes, LoRA or not: (global step,) trained, or (message, is it a flag error) refused."""
+    processes, with LoRA adapters of the settings `lora` or none: (global step,) trained, or (message, is it a flag
+    error) refused."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     config = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
               "state_dict_type": "SHARDED_STATE_DICT"}
-    trainer = _trainer(Path(out), lora={"target_modules": ["q_proj", "v_proj"], "r": 4} if lora else None,
-                       fsdp="full_shard", fsdp_config=config, max_steps=4 if resume else 2)
+    trainer = _trainer(Path(out), lora=lora, fsdp="full_shard", fsdp_config=config, max_steps=4 if resume else 2)
     try:
         trainer.train(resume_from_checkpoint=resume)
     except ValueError as e:
@@ -240,20 +243,27 @@ def _fsdp2_sharded_run(rank: int, world: int, out: str, resume: str | None, lora
 
 def test_an_fsdp2_sharded_checkpoint_resumed_with_peft_switched_on_or_off_is_refused_as_a_bad_flag(tmp_path):
     """FSDP2 with a sharded state dict type saves no weights file, only the sharded state: a LoRA run's resumed without
-    LoRA, or a full fine-tune's with it, failed on every rank with a KeyError (a parameter's name not in it)."""
-    for lora in (True, False):
-        run = tmp_path / f"run_{lora}"
+    LoRA, or a full fine-tune's with it, failed on every rank with a KeyError (a parameter's name not in it); a LoRA
+    run's resumed with another rank, with a size mismatch."""
+    for lora in (LORA, None):
+        run = tmp_path / f"run_{lora is not None}"
         assert run_gloo(_fsdp2_sharded_run, 2, str(run), None, lora) == [(2,)] * 2
         checkpoint = str(run / "checkpoint-2")
         assert not {"model.safetensors", "adapter_model.safetensors"} & set(os.listdir(checkpoint))
-        refused = run_gloo(_fsdp2_sharded_run, 2, str(tmp_path / f"other_{lora}"), checkpoint, not lora)
+        refused = run_gloo(_fsdp2_sharded_run, 2, str(tmp_path / f"other_{lora is not None}"), checkpoint,
+                           None if lora else LORA)
         holds = ("holds a PEFT adapter (its parameters in hf_sparse_cp_sharded_state/) and not the whole model's "
                  "weights" if lora else "holds the whole model's weights (its parameters in "
                  "hf_sparse_cp_sharded_state/) and no PEFT adapter")
         assert all(flag and holds in message for message, flag in refused), refused
+    checkpoint = str(tmp_path / "run_True" / "checkpoint-2")
+    refused = run_gloo(_fsdp2_sharded_run, 2, str(tmp_path / "other_rank"), checkpoint, {**LORA, "r": 8})
+    other = ("holds a PEFT adapter with other tensors than this run's (8 differ; e.g. its base_model.model.model.layers"
+             ".0.self_attn.q_proj.lora_A.default.weight is [4, 128], this run's [8, 128])")
+    assert all(flag and other in message and "(as its hf_sparse_cp_sharded_state/ shows; TRL: --lora_target_modules "
+               "q_proj v_proj --lora_r 4)" in message for message, flag in refused), refused
     # a LoRA run resumed with LoRA, as saved, is not refused
-    assert run_gloo(_fsdp2_sharded_run, 2, str(tmp_path / "again"), str(tmp_path / "run_True" / "checkpoint-2"),
-                    True) == [(4,)] * 2
+    assert run_gloo(_fsdp2_sharded_run, 2, str(tmp_path / "again"), checkpoint, LORA) == [(4,)] * 2
 
 
 def test_a_model_only_checkpoint_is_refused_naming_its_weights(tmp_path):
