@@ -261,7 +261,8 @@ PATCHES = (
             "pass, run in its __init__ before train, runs the reference with the trained model's pattern "
             "(`trainer.reference.attend_like_trained_model`), a model TRL loads from its Hub id set up before it; "
             "the dataset it is handed carries the pattern in its fingerprint, the key of TRL's cache "
-            "(`trainer.precomputed.keyed_by_pattern`)",
+            "(`trainer.precomputed.keyed_by_pattern`), and one whose cache file the processes cannot share is refused "
+            "(`trainer.precomputed.refuse_unshared_cache`: TRL failed on the other ranks)",
             parameters=("self", "dataset", "name", "batch_size")) for name in ("DPO", "KTO")),
     Patch("datasets.Dataset", "_fingerprint", "reads", "TRL's DPO and KTO key the reference log-probs they precompute "
           "and cache by it and the reference's weights: the dataset handed to their pass gets a fingerprint of it "

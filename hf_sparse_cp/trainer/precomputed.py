@@ -4,10 +4,12 @@ Their `_precompute_ref_logps` pass, run in `__init__` before `train`, writes the
 beside the processed dataset's cache files, named by a hash of the dataset's fingerprint and of the reference's
 weights, and a later run with the same key reads them instead of computing them.
 
-The key carries the pattern the reference attends with. The fingerprint carries the Trainer's arguments, the
-pattern's flags among them, only where TRL's filter of over-long prompts reads them (`truncation_mode` keep_start
-with a `max_length`), and never a pattern they do not give (a `--sparse_config` file changed in place): such a run read
-log-probs another pattern computed (`keyed_by_pattern`).
+* `keyed_by_pattern`: the key carries the pattern the reference attends with. The fingerprint carries the
+  Trainer's arguments, the pattern's flags among them, only where TRL's filter of over-long prompts reads them
+  (`truncation_mode` keep_start with a `max_length`), and never a pattern they do not give (a `--sparse_config` file
+  changed in place): such a run read log-probs another pattern computed.
+* `refuse_unshared_cache`: under several processes the main one writes that file and every process reads it, which
+  works only for a dataset stored in files with caching on; TRL fails on the other ranks otherwise (refused first).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from transformers import Trainer
 from ..config import BACKEND_NAME
 from ..integration import upstream
 from ..integration.layer_settings import model_config_for
+from .arguments import flag_errors
 
 
 def keyed_by_pattern(trainer: Trainer, dataset):
@@ -37,3 +40,24 @@ def keyed_by_pattern(trainer: Trainer, dataset):
     fingerprint = hashlib.sha256(f"{dataset._fingerprint} {BACKEND_NAME} {pattern}".encode()).hexdigest()[:16]
     return dataset.select_columns(dataset.column_names, new_fingerprint=fingerprint)
 
+
+def refuse_unshared_cache(trainer: Trainer, dataset) -> None:
+    """Refuse, naming the fix, TRL's pass over `dataset` under several processes where they cannot share its cache
+    file: a dataset held in memory (`Dataset.from_dict`, ...) or 🤗 datasets' caching off gets a file of a random name
+    in each process's own temporary folder, which only the main process writes (TRL 1.16: the other ranks failed with
+    FileNotFoundError after the whole pass)."""
+    from datasets import Dataset, is_caching_enabled
+
+    if trainer.accelerator.num_processes == 1 or not isinstance(dataset, Dataset):
+        return
+    if is_caching_enabled() and dataset.cache_files:
+        return
+    held = "is held in memory" if is_caching_enabled() else "is not cached (🤗 datasets' caching is disabled)"
+    with flag_errors():
+        raise ValueError(
+            f"--precompute_ref_log_probs under {trainer.accelerator.num_processes} processes needs a dataset stored in "
+            f"files: this one {held}. TRL caches the reference log-probs in a file the main process writes and every "
+            "process reads, named after the dataset's cache files; without them each process names its own temporary "
+            "file and the others fail to read it (FileNotFoundError, after the whole pass). Load the data from files "
+            "(datasets.load_dataset, or dataset.save_to_disk(path) then datasets.load_from_disk(path)) with caching "
+            "on, or train with --precompute_ref_log_probs false.")

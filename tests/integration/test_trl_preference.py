@@ -458,3 +458,48 @@ def test_precomputed_reference_log_probs_are_cached_per_pattern(tmp_path, in_fla
     assert after_again == after_other  # (read from the first run's cache)
     assert torch.equal(again, first)
 
+
+def _precompute_on_ranks(rank: int, world: int, output_dir: str, in_files: bool,
+                         plugin: bool = True) -> tuple[str, list[float] | str]:
+    """A DPOTrainer's `__init__` with --precompute_ref_log_probs on each rank, over pairs held in memory or stored in
+    files (`in_files`), the plugin's (`plugin`) or TRL's own: the log-probs it precomputed, or the error it raised."""
+    from trl import DPOConfig, DPOTrainer
+
+    from hf_sparse_cp import SparseDPOConfig, SparseDPOTrainer
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    data = datasets.Dataset.from_dict(_pairs(4))
+    if in_files:
+        if rank == 0:
+            data.save_to_disk(os.path.join(output_dir, "data"))
+        torch.distributed.barrier()
+        data = datasets.load_from_disk(os.path.join(output_dir, "data"))
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer), hidden_size=64,
+                                                         intermediate_size=128, head_dim=16))
+    settings = dict(output_dir=output_dir, **DPO, precompute_ref_log_probs=True)
+    # (TRL's own runs CPU processes as one each unless told use_cpu; the plugin runs them together)
+    args = SparseDPOConfig(**settings, **PATTERN) if plugin else DPOConfig(**settings, use_cpu=True)
+    try:
+        trainer = (SparseDPOTrainer if plugin else DPOTrainer)(model=model, args=args, train_dataset=data,
+                                                                processing_class=tokenizer)
+    except (ValueError, FileNotFoundError) as e:
+        return type(e).__name__, str(e)
+    return "ok", list(trainer.train_dataset["ref_chosen_logps"])
+
+
+def test_precomputed_reference_log_probs_under_two_processes_need_a_dataset_in_files(tmp_path):
+    """TRL's --precompute_ref_log_probs under several processes caches the log-probs in a file the main process writes
+    and every process reads, named after the dataset's cache files: a dataset held in memory has none, so each process
+    named a random file of its own temporary folder and rank 1 failed with FileNotFoundError after the whole pass (so
+    does TRL 1.16 without the plugin: when it no longer does, the refusal goes). Refused on every rank before the pass,
+    naming the fix, which works."""
+    stock = run_gloo(_precompute_on_ranks, 2, str(tmp_path / "stock"), False, False, timeout_s=120)
+    assert [kind for kind, _ in stock] == ["ok", "FileNotFoundError"], stock
+    refused = run_gloo(_precompute_on_ranks, 2, str(tmp_path / "memory"), False, timeout_s=120)
+    for kind, message in refused:
+        assert kind == "ValueError" and "needs a dataset stored in files" in message, (kind, message)
+        assert "load_from_disk" in message and "--precompute_ref_log_probs false" in message
+    (kind, logps), other = run_gloo(_precompute_on_ranks, 2, str(tmp_path / "files"), True, timeout_s=120)
+    assert kind == "ok" and other == (kind, logps), other
