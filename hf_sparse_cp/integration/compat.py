@@ -42,7 +42,8 @@ from .trainer_losses import GENERATING, WHOLE_ROW_EXPERIMENTAL
 # 1.10; transformers 5.0-5.3 call the mask function without q_length, 5.4-5.14's LabelSmoother takes no
 # num_items_in_batch).
 TESTED_VERSIONS = {"transformers": ("5.15", "5.25"), "accelerate": ("1.10", "1.16"), "torch": ("2.6", "2.13"),
-                   "triton": ("3.6", "3.9"), "trl": ("1.16", "1.16"), "liger_kernel": ("0.8.5", "0.8.5"),
+                   "triton": ("3.6", "3.9"), "trl": ("1.16", "1.16"), "datasets": ("5.2", "5.2"),
+                   "liger_kernel": ("0.8.5", "0.8.5"),
                    "peft": ("0.21", "0.21"), "kernels": ("0.19", "0.19")}
 
 # Names of the private methods the plugin replaces or calls on a Trainer / Accelerator instance.
@@ -258,8 +259,15 @@ PATCHES = (
           parameters=("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
     *(Patch(f"trl.{name}Trainer", "_precompute_ref_logps", "calls", f"TRL {name}'s --precompute_ref_log_probs "
             "pass, run in its __init__ before train, runs the reference with the trained model's pattern "
-            "(`trainer.reference.attend_like_trained_model`), a model TRL loads from its Hub id set up before it",
+            "(`trainer.reference.attend_like_trained_model`), a model TRL loads from its Hub id set up before it; "
+            "the dataset it is handed carries the pattern in its fingerprint, the key of TRL's cache "
+            "(`trainer.precomputed.keyed_by_pattern`), and one whose cache file the processes cannot share is refused "
+            "(`trainer.precomputed.refuse_unshared_cache`: TRL failed on the other ranks)",
             parameters=("self", "dataset", "name", "batch_size")) for name in ("DPO", "KTO")),
+    Patch("datasets.Dataset", "_fingerprint", "reads", "TRL's DPO and KTO key the reference log-probs they precompute "
+          "and cache by it and the reference's weights: the dataset handed to their pass gets a fingerprint of it "
+          "and the trained model's pattern, through the public select_columns(new_fingerprint=...) "
+          "(`trainer.precomputed.keyed_by_pattern`)", on_instances=True),
     Patch("trl.KTOTrainer", "compute_loss", "reads", "under CP, TRL's KTOTrainer trains as its DPOTrainer does, "
           "its forwards (the completions' and the mismatched pairs' for the KL estimate) on whole rows",
           parameters=("self", "model", "inputs", "return_outputs", "num_items_in_batch")),

@@ -13,7 +13,9 @@
 * the losses CP reproduces beyond the token loss: `whole_rows.py` (TRL's DPO, KTO and Reward trainers, from whole
   rows gathered over the CP group), `generated_rows.py` (TRL's GRPO and RLOO, rows generated in the step),
   `router_loss.py` (a MoE router's load-balancing loss), `adapter_loss.py` (AdaLoRA's regularizer) and
-  `reference.py` (the reference model a TRL trainer keeps attends as the trained one does);
+  `reference.py` (the reference model a TRL trainer keeps attends as the trained one does), `precomputed.py` (the
+  reference log-probs TRL's DPO and KTO precompute: their cache keyed by the pattern too, a dataset the processes
+  cannot share that cache of refused);
 * `trl.py`: the one switch for TRL's trainers (`SparseSFTTrainer`, ...);
 * `curriculum.py`: `--cp_schedule`, a context-length curriculum switched online (`enable_curriculum`), whose
   stages `schedule.py` reads, `stage_plan.py` checks for the run (`build_schedule`) and `stage_data.py` feeds

@@ -72,6 +72,7 @@ from .plugin_arguments import (
     launch_world_size,
     plugin_fields,
 )
+from .precomputed import keyed_by_pattern, refuse_unshared_cache
 from .reference import attend_like_trained_model
 from .schedule import parse_schedule
 from .smet import check_smet_optim, install_smet
@@ -437,13 +438,15 @@ class SparseTrainerMixin:
         with the trained model's pattern (`reference.py`); before anything runs it."""
         attend_like_trained_model(self, self.args.plugin_arguments(), self.max_length)
 
-    def _precompute_ref_logps(self, *args, **kwargs):
+    def _precompute_ref_logps(self, dataset, name, batch_size):
         """TRL DPO's and KTO's `--precompute_ref_log_probs` pass, run in their `__init__` before `train`, with the
         reference it runs (a given one; under FSDP, one TRL loads from the model's path and frees after the pass)
-        attending as the trained model does: it ran the stock attention, a bias in every reward."""
+        attending as the trained model does: it ran the stock attention, a bias in every reward. The key of its cache
+        carries that pattern, and a dataset whose cache the processes cannot share is refused (`precomputed.py`)."""
+        refuse_unshared_cache(self, dataset)
         self._configure_loaded_model()  # (a Hub id: TRL loaded the model in this __init__, not yet set up)
         self._attend_like_trained_model()
-        return super()._precompute_ref_logps(*args, **kwargs)
+        return super()._precompute_ref_logps(keyed_by_pattern(self, dataset), name, batch_size)
 
     def train(self, *args, **kwargs):
         """The Trainer's `train`, with a TRL reference model attending as the trained model does, and the plugin's

@@ -380,10 +380,11 @@ def test_reward_under_cp_equals_one_process(tmp_path, cp, settings, lora, world)
         assert all(2 * n <= m + 64 for n, m in zip(rank["lengths"][:2], one["lengths"][:2])), rank["lengths"]
 
 
-def _precomputed(tmp_path, weights: dict, sparse: dict | None, as_path: bool = False) -> torch.Tensor:
+def _precomputed(tmp_path, weights: dict, sparse: dict | None, as_path: bool = False, data=None,
+                 **dpo) -> torch.Tensor:
     """The reference log-probs of the chosen completions a DPOTrainer precomputes in its `__init__`: stock (`sparse`
     None) or with the plugin's flags `sparse`; the model given by its folder (`as_path`, as a Hub id: TRL loads it) or
-    as a model."""
+    as a model; over `data` (four pairs in memory when None); `dpo`: DPO's settings over `DPO`."""
     from trl import DPOConfig, DPOTrainer
 
     from hf_sparse_cp import sparse_arguments_class, sparse_trainer_class
@@ -395,22 +396,110 @@ def _precomputed(tmp_path, weights: dict, sparse: dict | None, as_path: bool = F
         model.load_state_dict(weights)
     if as_path:
         models[0].save_pretrained(tmp_path / "m")
-    settings = dict(output_dir=str(tmp_path), **DPO, precompute_ref_log_probs=True)
+    settings = dict(output_dir=str(tmp_path), **{**DPO, **dpo}, precompute_ref_log_probs=True)
     args = sparse_arguments_class(DPOConfig)(**settings, **sparse) if sparse is not None else DPOConfig(**settings)
     trainer = (sparse_trainer_class(DPOTrainer) if sparse is not None else DPOTrainer)(
         model=str(tmp_path / "m") if as_path else models[0], ref_model=models[1], args=args,
-        train_dataset=datasets.Dataset.from_dict(_pairs(4)), processing_class=tokenizer)
+        train_dataset=datasets.Dataset.from_dict(_pairs(4)) if data is None else data, processing_class=tokenizer)
     return torch.tensor(trainer.train_dataset["ref_chosen_logps"])
+
+
+def _tiny_weights() -> dict:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(byte_tokenizer()), hidden_size=64,
+                                                        intermediate_size=128, head_dim=16)).state_dict()
 
 
 def test_precomputed_reference_log_probs_of_a_model_given_by_its_hub_id_are_the_patterns(tmp_path):
     """A model given by its Hub id (here its folder) is loaded in TRL's own `__init__`, which precomputes the reference
     log-probs before it returns: the plugin set the model up only after that, so the pass ran the stock attention (a
     bias in every reward). It is set up before the pass: the log-probs are those of the model given as a model."""
-    torch.manual_seed(0)
-    weights = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(byte_tokenizer()), hidden_size=64,
-                                                           intermediate_size=128, head_dim=16)).state_dict()
+    weights = _tiny_weights()
     given = _precomputed(tmp_path / "given", weights, PATTERN)
     loaded = _precomputed(tmp_path / "loaded", weights, PATTERN, as_path=True)
     assert torch.allclose(loaded, given, rtol=1e-6, atol=1e-5), (loaded, given)
     assert not torch.allclose(_precomputed(tmp_path / "stock", weights, None), given)  # (the pattern drops blocks)
+
+
+@pytest.mark.parametrize("in_flags", [False, True], ids=["sparse_config-file-changed", "flags-truncation-keep_end"])
+def test_precomputed_reference_log_probs_are_cached_per_pattern(tmp_path, in_flags):
+    """TRL caches the reference log-probs it precomputes beside a dataset stored in files, keyed by the processed
+    data's fingerprint and the reference's weights. The fingerprint carries the Trainer's arguments only through the
+    filter of over-long prompts (truncation_mode keep_start, with a max_length), and then a --sparse_config file's path,
+    not what it holds: a run whose pattern file had changed, or under keep_end one of other pattern flags (the stock
+    attention's too), read the log-probs of the earlier pattern. The key carries the pattern used: another pattern
+    computes (and caches) its own, the same pattern reads them."""
+    import json
+
+    datasets.Dataset.from_dict(_pairs(4)).save_to_disk(tmp_path / "data")
+    weights, pattern_file = _tiny_weights(), tmp_path / "pattern.yaml"
+
+    def precomputed(vertical_slash: int) -> tuple[torch.Tensor, set[str]]:
+        data = datasets.load_from_disk(tmp_path / "data")
+        if in_flags:
+            logps = _precomputed(tmp_path, weights, {**PATTERN, "sparse_vertical_topk": vertical_slash,
+                                                     "sparse_slash_topk": vertical_slash},
+                                 data=data, truncation_mode="keep_end")
+        else:
+            pattern_file.write_text(json.dumps({
+                "block_size": 32, "min_seq_len": 64, "local_window": 32, "sink_tokens": 4, "scoring": {"last_q": 16},
+                "budget": {"mode": "topk", "vertical_topk": vertical_slash, "slash_topk": vertical_slash}}))
+            logps = _precomputed(tmp_path, weights, {"sparse_config": str(pattern_file)}, data=data)
+        # (the cache files of precomputed log-probs, beside those of the data's processing)
+        return logps, {path.name for path in (tmp_path / "data").glob("cache-*.arrow")
+                       if datasets.Dataset.from_file(str(path)).column_names == ["ref_chosen_logps",
+                                                                                 "ref_rejected_logps"]}
+
+    first, cached = precomputed(8)
+    other, after_other = precomputed(2)
+    assert cached and after_other > cached, (cached, after_other)  # (it computed and cached its own)
+    assert not torch.equal(other, first), other
+    again, after_again = precomputed(8)
+    assert after_again == after_other  # (read from the first run's cache)
+    assert torch.equal(again, first)
+
+
+def _precompute_on_ranks(rank: int, world: int, output_dir: str, in_files: bool,
+                         plugin: bool = True) -> tuple[str, list[float] | str]:
+    """A DPOTrainer's `__init__` with --precompute_ref_log_probs on each rank, over pairs held in memory or stored in
+    files (`in_files`), the plugin's (`plugin`) or TRL's own: the log-probs it precomputed, or the error it raised."""
+    from trl import DPOConfig, DPOTrainer
+
+    from hf_sparse_cp import SparseDPOConfig, SparseDPOTrainer
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    data = datasets.Dataset.from_dict(_pairs(4))
+    if in_files:
+        if rank == 0:
+            data.save_to_disk(os.path.join(output_dir, "data"))
+        torch.distributed.barrier()
+        data = datasets.load_from_disk(os.path.join(output_dir, "data"))
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer), hidden_size=64,
+                                                         intermediate_size=128, head_dim=16))
+    settings = dict(output_dir=output_dir, **DPO, precompute_ref_log_probs=True)
+    # (TRL's own runs CPU processes as one each unless told use_cpu; the plugin runs them together)
+    args = SparseDPOConfig(**settings, **PATTERN) if plugin else DPOConfig(**settings, use_cpu=True)
+    try:
+        trainer = (SparseDPOTrainer if plugin else DPOTrainer)(model=model, args=args, train_dataset=data,
+                                                                processing_class=tokenizer)
+    except (ValueError, FileNotFoundError) as e:
+        return type(e).__name__, str(e)
+    return "ok", list(trainer.train_dataset["ref_chosen_logps"])
+
+
+def test_precomputed_reference_log_probs_under_two_processes_need_a_dataset_in_files(tmp_path):
+    """TRL's --precompute_ref_log_probs under several processes caches the log-probs in a file the main process writes
+    and every process reads, named after the dataset's cache files: a dataset held in memory has none, so each process
+    named a random file of its own temporary folder and rank 1 failed with FileNotFoundError after the whole pass (so
+    does TRL 1.16 without the plugin: when it no longer does, the refusal goes). Refused on every rank before the pass,
+    naming the fix, which works."""
+    stock = run_gloo(_precompute_on_ranks, 2, str(tmp_path / "stock"), False, False, timeout_s=120)
+    assert [kind for kind, _ in stock] == ["ok", "FileNotFoundError"], stock
+    refused = run_gloo(_precompute_on_ranks, 2, str(tmp_path / "memory"), False, timeout_s=120)
+    for kind, message in refused:
+        assert kind == "ValueError" and "needs a dataset stored in files" in message, (kind, message)
+        assert "load_from_disk" in message and "--precompute_ref_log_probs false" in message
+    (kind, logps), other = run_gloo(_precompute_on_ranks, 2, str(tmp_path / "files"), True, timeout_s=120)
+    assert kind == "ok" and other == (kind, logps), other

@@ -51,6 +51,8 @@ def _instances(tmp_path) -> dict:
             "transformers.trainer_callback.CallbackHandler": trainer.callback_handler,
             "accelerate.PartialState": PartialState(), "accelerate.state.AcceleratorState": AcceleratorState(),
             "accelerate.data_loader.IterableDatasetShard": IterableDatasetShard(range(0)),
+            "datasets.Dataset": (importlib.import_module("datasets").Dataset.from_dict({"prompt": ["sparse ring"]})
+                                 if importlib.util.find_spec("datasets") else None),
             # (what `torch.library.get_ctx()` gives a fake implementation: the plan op's, integration/compiled.py)
             "torch._library.fake_impl.FakeImplCtx": FakeImplCtx(FakeTensorMode(shape_env=ShapeEnv()), None)}
 
