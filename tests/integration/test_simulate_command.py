@@ -198,6 +198,30 @@ def test_the_header_states_the_target_and_the_realized_kept_fraction(tmp_path, m
            "--density)" in header
 
 
+def test_each_lengths_sparse_layout_is_drawn_once_for_the_header_and_the_rows(tmp_path, monkeypatch, capsys):
+    """The header's realized kept fraction drew each length's layout once more than the rows did (the same seed: the
+    same numbers, twice the drawing): one draw per length now, the header's the rows' (every configuration and CP
+    size of a length reads it from the workload's cache)."""
+    from hf_sparse_cp.simulator import simulate_cli
+
+    drawn = []
+
+    def counted(*args, **kwargs):
+        drawn.append(args[2])  # (its length)
+        return draw(*args, **kwargs)
+
+    draw = simulate_cli.random_vertical_slash_layout
+    monkeypatch.setattr(simulate_cli, "random_vertical_slash_layout", counted)
+    monkeypatch.chdir(tmp_path)
+    report = simulate_cli.main(["--seq", "16384", "32768", "--cp", "4", "8", "--no-mtraining", "--layout-heads", "1",
+                                "--all", "--json", "report.json"])
+    assert drawn == [16384, 32768]
+    header = capsys.readouterr().out.split(simulate_cli.HEADER)[0]
+    for seq in (16384, 32768):
+        (kept,) = {r["kept"] for r in report["rows"] if r["seq"] == seq and r["config"] == "striped sparse"}
+        assert f"  {seq} tokens: kept target " in header and f", realized {kept:.3f}; " in header
+
+
 def test_simulate_answers_for_the_cp_mode_asked(tmp_path, monkeypatch, capsys):
     """`--cp_mode` / `--cp_ulysses_size` as training takes them (#49): the sparse rows are the mode's (resolved per CP
     size by the mode objects: heads over 8 of 8 GPUs is ulysses), priced by the head-parallel step model on the
