@@ -255,12 +255,15 @@ def _check_image_format(path: str) -> None:
 
 def check_chunks(seq: int, cps: list[int]) -> None:
     """ValueError naming the fix unless a sequence of `seq` tokens splits into whole zigzag chunks (2 per rank, of
-    whole blocks) at every CP size of `cps`."""
-    unit = 2 * BLOCK * max(cps)
+    whole blocks) at every CP size of `cps`: the grid of the dense ring's split (`ShardPlan.granularity`), the
+    coarsest. Training pads another length to its split's grid (`memory` predicts it so); the simulator's rows share
+    one layout per length, which splits that pad it unequally would not."""
+    unit = ShardPlan("zigzag", max(cps), BLOCK, seq).granularity
     if seq % unit:
         near = " or ".join(f"--seq {n}" for n in (seq // unit * unit, -(-seq // unit) * unit) if n)
         raise ValueError(f"--seq {seq} must be a multiple of {unit} (whole zigzag chunks of {BLOCK}-token blocks at "
-                         f"--cp {max(cps)}): e.g. {near}.")
+                         f"--cp {max(cps)}): e.g. {near}. (Training pads it to its split's grid, and `hf-sparse-cp "
+                         "memory` predicts it padded; the simulator draws one layout per length for every split.)")
 
 def peak_bytes(seq: int, layout_heads: int) -> float:
     """The memory the command needs to simulate one sequence of `seq` tokens (`PEAK_BYTES_PER_BLOCK_PAIR`)."""
