@@ -12,6 +12,7 @@ from itertools import chain
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
 from ..integration.architectures import CONFIG_DROPOUTS, PER_TOKEN_LAYER_TYPES, RECURRENT_LAYER_TYPES
@@ -378,8 +379,8 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
         if _field_of(config_class, "layer_types"):
             try:
                 config = AutoConfig.for_model(model_type, **{**given, **full})
-            except Exception:  # (Kolibri takes no full-attention layers: its sliding ones keep the window no row
-                if not unwindowed:  # reaches that built it)
+            except StrictDataclassError:  # (its own checks refuse full-attention layers, Kolibri 1.1's: its sliding
+                if not unwindowed:  # layers keep the window no row reaches that built it)
                     raise
         else:
             with contextlib.suppress(AttributeError):  # (RecurrentGemma derives them from its block types: its
@@ -477,10 +478,11 @@ def _repaired_for_its_model(model_type: str, config_class: type, config: Pretrai
                                             for kind in sorted(kinds)}})
     sub_configs = [key for key in getattr(config_class, "sub_configs", None) or () if isinstance(given.get(key), dict)]
     error = _model_error(config) if repairs or sub_configs else None
-    missing = re.fullmatch(r"'(\w+)' object has no attribute '(\w+)'", str(error)) if error else None
+    # (a field the model read of an object that lacks it: DBRX's attention, attn_config.rope_theta)
+    unread = error if isinstance(error, AttributeError) and error.obj is not None and error.name in given else None
     for key in sub_configs:
-        if missing and type(getattr(config, key, None)).__name__ == missing[1] and missing[2] in given:
-            repairs.append({key: {**given[key], missing[2]: given[missing[2]]}})
+        if unread and type(getattr(config, key, None)) is type(unread.obj):
+            repairs.append({key: {**given[key], unread.name: given[unread.name]}})
     repairs = [edit for edit in repairs if not set(edit) & set(overrides)]
     if not repairs or error is None:
         return config, given
