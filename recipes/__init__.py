@@ -58,19 +58,21 @@ def _shipped(name_or_path: str, kinds: tuple[str, ...]) -> str:
     those closest to it (a typo's fix, `closest_names`): the YAML / JSON files in the folder it names (the current
     one for a bare name: pattern.yaml for pattern.yml), then the shipped names."""
     shipped = [name for kind in kinds for name in recipe_names(kind)]
-    close = [*closest_names(name_or_path, _files_beside(Path(name_or_path))),
+    beside = _files_beside(Path(name_or_path))
+    close = [*(beside[name] for name in closest_names(Path(name_or_path).name, beside)),
              *closest_names(name_or_path.removesuffix(SUFFIX), shipped)]
     return (f"({', '.join(shipped)})" + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ";")
             + " `hf-sparse-cp recipes` lists them.")
 
 
-def _files_beside(path: Path) -> list[str]:
-    """The recipe files (`RECIPE_SUFFIXES`) in `path`'s folder, spelt as `path` is (folder and name)."""
+def _files_beside(path: Path) -> dict[str, str]:
+    """{name: the file spelt as `path` is, with its folder} of the recipe files (`RECIPE_SUFFIXES`) in `path`'s
+    folder (their names alone are compared: a long folder would make every file in it look alike)."""
     folder = path.parent
     if not folder.is_dir():
-        return []
-    return sorted(str(folder / file.name) if str(folder) != "." else file.name for file in folder.iterdir()
-                  if file.suffix in RECIPE_SUFFIXES and file.is_file())
+        return {}
+    return {file.name: file.name if folder == Path() else str(folder / file.name) for file in sorted(folder.iterdir())
+            if file.suffix in RECIPE_SUFFIXES and file.is_file()}
 
 
 def pattern_path(name_or_path: str) -> str:

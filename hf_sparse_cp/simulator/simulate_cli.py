@@ -330,7 +330,7 @@ def sequence_workload(args, seq: int) -> Workload:
 def realized_kept(workload: Workload, seq: int) -> float:
     """The kept fraction of the sparse layout of `workload` (`sequence_workload`'s of `seq` tokens), the table's kept:
     the target's diagonals (`kept_target`) with the verticals and sink tokens on top. The layout is the one the rows
-    then read from the workload's cache (a length of whole zigzag chunks pads to no split's grid, `check_chunks`)."""
+    then read from the workload's cache: no split pads a length of whole zigzag chunks (`check_chunks`)."""
     plan = ShardPlan("striped", 1, BLOCK, seq)  # (one sequence's layout is the same under every split of it)
     return float(workload.layout("sparse", plan).kept_fraction())
 

@@ -48,8 +48,9 @@ def test_a_pattern_file_name_with_a_typo_is_refused_with_the_closest_file_beside
         with pytest.raises(FileNotFoundError, match=re.escape(f"Config file {typo!r} does not exist, nor is it a "
                                                               f"shipped pattern (trial); did you mean {close!r}? ")):
             SparseCPArguments(sparse_config=typo).attention_config()
-    with pytest.raises(FileNotFoundError, match=re.escape("shipped pattern (trial); `hf-sparse-cp recipes`")):
-        pattern_path("unrelated.yaml")
+    for unrelated in ("unrelated.yaml", f"{tmp_path}/unrelated.yaml"):  # (names compared, not their folders)
+        with pytest.raises(FileNotFoundError, match=re.escape("shipped pattern (trial); `hf-sparse-cp recipes`")):
+            pattern_path(unrelated)
     with pytest.raises(FileNotFoundError, match=re.escape("did you mean 'pattern.yaml'?")):
         recipe_path("pattern.yml")  # (`--recipe`, by the same code)
 
