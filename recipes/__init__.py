@@ -14,7 +14,7 @@ import re
 from importlib.resources import as_file, files
 from pathlib import Path
 
-from ..config.files import closest_names
+from ..close_names import closest_names
 
 KINDS = ("train", "accelerate", "pattern")
 SUFFIX = ".yaml"
