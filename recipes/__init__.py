@@ -10,10 +10,11 @@
 
 from __future__ import annotations
 
-import difflib
 import re
 from importlib.resources import as_file, files
 from pathlib import Path
+
+from ..close_names import closest_names
 
 KINDS = ("train", "accelerate", "pattern")
 SUFFIX = ".yaml"
@@ -54,11 +55,24 @@ def recipe_path(name_or_path: str, kinds: tuple[str, ...] = KINDS) -> Path:
 
 def _shipped(name_or_path: str, kinds: tuple[str, ...]) -> str:
     """The end of the refusal of a name that is no file and no shipped recipe of `kinds`: the shipped names, and
-    the one closest to it (a typo's fix)."""
+    those closest to it (a typo's fix, `closest_names`): the YAML / JSON files in the folder it names (the current
+    one for a bare name: pattern.yaml for pattern.yml), then the shipped names."""
     shipped = [name for kind in kinds for name in recipe_names(kind)]
-    close = difflib.get_close_matches(name_or_path.removesuffix(SUFFIX), shipped, n=1)
-    return (f"({', '.join(shipped)})" + (f"; did you mean {close[0]!r}?" if close else ";")
+    beside = _files_beside(Path(name_or_path))
+    close = [*(beside[name] for name in closest_names(Path(name_or_path).name, beside)),
+             *closest_names(name_or_path.removesuffix(SUFFIX), shipped)]
+    return (f"({', '.join(shipped)})" + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ";")
             + " `hf-sparse-cp recipes` lists them.")
+
+
+def _files_beside(path: Path) -> dict[str, str]:
+    """{name: the file spelt as `path` is, with its folder} of the recipe files (`RECIPE_SUFFIXES`) in `path`'s
+    folder (their names alone are compared: a long folder would make every file in it look alike)."""
+    folder = path.parent
+    if not folder.is_dir():
+        return {}
+    return {file.name: file.name if folder == Path() else str(folder / file.name) for file in sorted(folder.iterdir())
+            if file.suffix in RECIPE_SUFFIXES and file.is_file()}
 
 
 def pattern_path(name_or_path: str) -> str:

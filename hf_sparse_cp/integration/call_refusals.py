@@ -85,10 +85,11 @@ def mask_only_window(module: torch.nn.Module, sliding_window: int | None,
     window = getattr(config, "sliding_window", None)
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return sliding_window, None
-    never_masked = getattr(config, "layer_types", None) is None and builds_sliding_window_mask(config) is False
+    typed = getattr(config, "layer_types", None) is not None
+    never_masked = not typed and builds_sliding_window_mask(config) is False
     if sliding_window is not None and not (never_masked and sliding_window == window):
         return sliding_window, None
-    if getattr(config, "layer_types", None) is None:
+    if not typed:
         if never_masked and not torch.compiler.is_compiling():
             return mask_window(attention_mask), None
         return None, window

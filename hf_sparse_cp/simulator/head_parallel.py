@@ -25,7 +25,7 @@ import torch
 from ..config import SparseAttentionConfig
 from ..distributed.comm import RingTopology
 from ..distributed.heads.split import HeadSplit
-from ..distributed.split.blocks import ShardPlan
+from ..distributed.split.blocks import head_group_plan
 from .shapes import ModelShape
 from .simulate import Cluster, RingSetup, Workload, simulate_ring
 from .step_model import (
@@ -60,9 +60,8 @@ def head_parallel_setup(workload: Workload, cp_size: int, head_size: int, block_
     'sparse' picks the workload's layout."""
     if cp_size % head_size:
         raise ValueError(f"head_size={head_size} does not divide cp_size={cp_size}.")
-    ring = cp_size // head_size
-    plan = ShardPlan(sharding if ring > 1 else "contiguous", ring, block_size, workload.seq_len, pieces=head_size)
-    return RingSetup(workload.layout(kind, plan), plan, RingTopology(1, ring), kind == "sparse")
+    plan = head_group_plan(sharding, cp_size, head_size, block_size, workload.seq_len)
+    return RingSetup(workload.layout(kind, plan), plan, RingTopology(1, plan.cp_size), kind == "sparse")
 
 
 def exchange_bytes(split: HeadSplit, tokens: int, head_dim: int) -> dict[str, int]:

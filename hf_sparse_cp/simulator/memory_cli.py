@@ -190,9 +190,11 @@ def settings_for_length(args, arch: Architecture) -> callable:
     curve = None if args.layout_width == "bound" else \
         KeptCurve.from_report(args.kept_curve) if args.kept_curve else DEFAULT_CURVE
     _, head_size = cp_layout(args, args.cp)
+    document = args.cp_sharding == "document"  # (the planner's cap sizes its busiest rank: no block sharding's grid)
     base = StepSettings(dtype=args.dtype, master_weights=args.master_weights, optimizer=args.optimizer,
                         smet_density=args.smet_density, cp=args.cp, head_size=head_size, fsdp=args.fsdp,
-                        max_token_ratio=args.cp_planner_max_token_ratio if args.cp_sharding == "document" else None,
+                        sharding="striped" if document else args.cp_sharding,
+                        max_token_ratio=args.cp_planner_max_token_ratio if document else None,
                         pattern=pattern, loss_backend=args.loss_backend, kept_curve=curve, lora=lora_settings(args))
 
     def settings(seq_len: int) -> StepSettings:

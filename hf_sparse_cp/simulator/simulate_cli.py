@@ -41,6 +41,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -254,12 +255,15 @@ def _check_image_format(path: str) -> None:
 
 def check_chunks(seq: int, cps: list[int]) -> None:
     """ValueError naming the fix unless a sequence of `seq` tokens splits into whole zigzag chunks (2 per rank, of
-    whole blocks) at every CP size of `cps`."""
-    unit = 2 * BLOCK * max(cps)
+    whole blocks) at every CP size of `cps`: the grid of the dense ring's split (`ShardPlan.granularity`), the
+    coarsest. Training pads another length to its split's grid (`memory` predicts it so); the simulator's rows share
+    one layout per length, which splits that pad it unequally would not."""
+    unit = ShardPlan("zigzag", max(cps), BLOCK, seq).granularity
     if seq % unit:
         near = " or ".join(f"--seq {n}" for n in (seq // unit * unit, -(-seq // unit) * unit) if n)
         raise ValueError(f"--seq {seq} must be a multiple of {unit} (whole zigzag chunks of {BLOCK}-token blocks at "
-                         f"--cp {max(cps)}): e.g. {near}.")
+                         f"--cp {max(cps)}): e.g. {near}. (Training pads it to its split's grid, and `hf-sparse-cp "
+                         "memory` predicts it padded; the simulator draws one layout per length for every split.)")
 
 def peak_bytes(seq: int, layout_heads: int) -> float:
     """The memory the command needs to simulate one sequence of `seq` tokens (`PEAK_BYTES_PER_BLOCK_PAIR`)."""
@@ -323,11 +327,12 @@ def sequence_workload(args, seq: int) -> Workload:
     return Workload((seq,), ("sparse",), layout)
 
 
-def realized_kept(args, seq: int) -> float:
-    """The kept fraction of the sparse layout `sequence_workload` draws for one sequence of `seq` tokens, the table's
-    kept: the target's diagonals (`kept_target`) with the verticals and sink tokens on top."""
+def realized_kept(workload: Workload, seq: int) -> float:
+    """The kept fraction of the sparse layout of `workload` (`sequence_workload`'s of `seq` tokens), the table's kept:
+    the target's diagonals (`kept_target`) with the verticals and sink tokens on top. The layout is the one the rows
+    then read from the workload's cache: no split pads a length of whole zigzag chunks (`check_chunks`)."""
     plan = ShardPlan("striped", 1, BLOCK, seq)  # (one sequence's layout is the same under every split of it)
-    return float(sequence_workload(args, seq).layout("sparse", plan).kept_fraction())
+    return float(workload.layout("sparse", plan).kept_fraction())
 
 
 def packed_workload(mix: str, seq: int, seed: int) -> Workload:
@@ -359,10 +364,13 @@ def workload_for(args, seq: int, model: ModelShape) -> Workload:
     return replace(workload, planner_costs=PlannerCosts(linear_per_token=linear_weight(model.linear_flop_pairs)))
 
 
-def simulate(args, model_name: str, model: ModelShape, cluster: Cluster, hardware_of, seqs: list[int],
-             cps: list[int], configs: list[str], dense_kernel: str, kernels: tuple[str, ...] = ("ours",)) -> list[dict]:
+def simulate(args, model_name: str, model: ModelShape, cluster: Cluster, hardware_of,
+             workloads: Iterable[tuple[int, Workload]], cps: list[int], configs: list[str], dense_kernel: str,
+             kernels: tuple[str, ...] = ("ours",)) -> list[dict]:
     """The predicted rows, printed as they come: each sparse configuration with each of `kernels` (keys of
-    `SPARSE_KERNELS`; 'block-only' rows are bounds, labelled so), the dense ring with `dense_kernel`."""
+    `SPARSE_KERNELS`; 'block-only' rows are bounds, labelled so), the dense ring with `dense_kernel`. workloads:
+    (length, `workload_for` its row) per length, in order; an iterator that lets each go (`_handed_over`) frees its
+    layouts, the command's memory, once its rows are done."""
     hardware = {k: hardware_of(dense_kernel=dense_kernel, sparse_kernel=k) for k in kernels}
     windows = {w for w in model.windows if w is not None}  # (a config's sliding layers share its sliding_window)
     if len(windows) > 1:
@@ -370,9 +378,8 @@ def simulate(args, model_name: str, model: ModelShape, cluster: Cluster, hardwar
                          "window's layout: give one sliding_window.")
     window = next(iter(windows), None)
     rows = []
-    for seq in seqs:
+    for seq, workload in workloads:
         check_chunks(seq, cps)  # (the command's are checked as it parses them)
-        workload = workload_for(args, seq, model)
         target = kept_target(args, seq) if args.mix is None else None
         for cp in cps:
             base = None
@@ -511,13 +518,14 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
     args = parse_args(argv, prog)  # (every refusal, before anything prints)
     targets = [kept_target(args, seq) for seq in args.seq]
     name, model = model_name(args), model_shape(args, MODELS)
+    workloads = [(seq, workload_for(args, seq, model)) for seq in args.seq]  # (their layouts drawn once, as read)
     cluster, hardware_of = cluster_of(args)
     if args.mix is None:
         print(f"{name} on {cluster.name}; sparse layouts ({args.layout_heads} layout heads): diagonals for the target "
               f"kept fraction of the causal blocks, {args.verticals} verticals + {args.sink} sink tokens on top (the "
               "realized fraction, the table's kept)")
-        for t in targets:  # (the realized one: the layout drawn once more, freed before the simulation's)
-            print(f"  {t.seq_len} tokens: kept target {t.kept:.3f}, realized {realized_kept(args, t.seq_len):.3f}; "
+        for t, (seq, workload) in zip(targets, workloads, strict=True):  # (the realized one: the rows' layout)
+            print(f"  {seq} tokens: kept target {t.kept:.3f}, realized {realized_kept(workload, seq):.3f}; "
                   f"layout width {t.width_share:.3f} of the rows ({t.basis}; {t.source})")
         print(f"first {args.dense_first_layers} layer(s) dense; PREDICTED")
     else:
@@ -534,8 +542,8 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
     if set(kernels) & set(BOUND_KERNELS):
         print(BOUND_NOTE)
     print(HEADER)
-    rows = simulate(args, name, model, cluster, hardware_of, args.seq, args.cp, args.configs, args.dense_kernel,
-                    kernels)
+    rows = simulate(args, name, model, cluster, hardware_of, _handed_over(workloads), args.cp, args.configs,
+                    args.dense_kernel, kernels)
     if not args.all:
         print("(the rows asked for; --all: every configuration, every sparse kernel's cost and MTraining's setting)")
     hw = hardware_of(dense_kernel=args.dense_kernel, sparse_kernel=kernels[0])
@@ -560,10 +568,10 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
         print(HEADER)
         mt = []
         for dense_kernel in ("fa2", "cudnn"):
-            mt_args = {**vars(args), "mix": None, "density": args.density or m["density"]}
-            mt += simulate(argparse.Namespace(**mt_args), m["model"], MODELS[m["model"]], CLUSTERS[m["cluster"]],
-                           HARDWARE[m["cluster"]], [m["seq"]], [m["cp"]], list(CONFIGURATIONS), dense_kernel,
-                           tuple(SPARSE_KERNELS))
+            mt_args = argparse.Namespace(**{**vars(args), "mix": None, "density": args.density or m["density"]})
+            mt += simulate(mt_args, m["model"], MODELS[m["model"]], CLUSTERS[m["cluster"]], HARDWARE[m["cluster"]],
+                           [(m["seq"], workload_for(mt_args, m["seq"], MODELS[m["model"]]))], [m["cp"]],
+                           list(CONFIGURATIONS), dense_kernel, tuple(SPARSE_KERNELS))
         report["mtraining"] = {**m, "rows": mt}
     cluster_tag = args.cluster + ("_custom" if custom_parts(args) else "")
     file_name = f"simulate-cluster_{name}_{cluster_tag}" + (f"_{args.mix}" if args.mix else "") + ".json"
@@ -579,6 +587,13 @@ def main(argv=None, results: Path | None = None, prog: str | None = None) -> dic
     plot(rows, png, f"{name} on {cluster.name}" + (f", rows packed with the {args.mix} mix" if args.mix else ""))
     print(f"wrote {out} and {png}")
     return report
+
+
+def _handed_over(items: list) -> Iterator:
+    """`items`' entries in order, each removed from the list as it is handed over (so that the list holds no
+    simulated length's layouts past its rows)."""
+    while items:
+        yield items.pop(0)
 
 
 ASSUMPTIONS = [

@@ -12,6 +12,7 @@ from itertools import chain
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
 from ..integration.architectures import CONFIG_DROPOUTS, PER_TOKEN_LAYER_TYPES, RECURRENT_LAYER_TYPES
@@ -97,15 +98,15 @@ TINY_SUB_FIELDS = dict(kv_n_heads="num_key_value_heads", ffn_hidden_size="interm
 TINY_SUB_VALUES = dict(clip_qkv=8.0)
 
 
-def _defaults_to_sliding_layers(config_class: type) -> bool:
-    """Whether `config_class`'s own defaults make sliding-attention layers (its `layer_types`, where they are a field:
-    RecurrentGemma derives them)."""
+def _default_layer_kinds(config_class: type) -> list:
+    """The layer kinds `config_class`'s own defaults make (its `layer_types`, where they are a field: RecurrentGemma
+    derives them), none where its defaults alone do not build."""
     if not _field_of(config_class, "layer_types"):
-        return False
+        return []
     try:
-        return "sliding_attention" in (getattr(config_class(), "layer_types", None) or ())
+        return _layer_kinds(config_class())
     except Exception:  # (a config that its defaults alone do not build: nothing to learn from them)
-        return False
+        return []
 
 
 def _field_of(config_class: type, name: str) -> bool:
@@ -297,7 +298,8 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
     an indexer's scoring heads (Kolibri's) the query heads of one key head; state-space heads (Mamba-2's) that split
     hidden_size * expand in heads of head_dim; a family that takes no full-attention layers (Kolibri): its sliding
     layers with a window no row reaches; a hybrid whose two layers would hold no attention: an
-    attention layer last, placed by its own fields (`_attention_placements`); a field the family's defaults leave
+    attention layer last, placed by its own fields (`_attention_placements`); a family with indexed-attention layers
+    (Kolibri 1.1's every fifth), which sparse_cp refuses: one last; a field the family's defaults leave
     unset that its model needs: given (`_repaired_for_its_model`)); any field can be overridden. A field the
     architecture derives from others (Falcon's `head_dim`) is left to it; an override of one it derives otherwise is a
     ValueError that names it, and so is a config transformers refuses to build from these fields, and a type that
@@ -362,11 +364,17 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
         if placed:
             config, given = placed
             layer_types = _layer_kinds(config)
+    indexed = "indexed_attention"  # (`call_tokens.selects_keys_by_index`: sparse_cp refuses such layers)
+    if "layer_types" not in overrides and indexed not in layer_types and indexed in _default_layer_kinds(config_class):
+        # (Kolibri 1.1: an indexed-attention layer every fifth, none among two) the last layer indexed, so that the
+        # tiny model meets sparse_cp as the family's models do: refused, their indexer reading the model's own mask
+        given = {**given, "layer_types": [*layer_types[:-1], indexed]}
+        config = AutoConfig.for_model(model_type, **given)
     config, given = _repaired_for_its_model(model_type, config_class, config, given, overrides)
     layer_types = _layer_kinds(config) or layer_types
     no_window = config.sliding_window is None or unwindowed
     if no_window and "layer_types" not in overrides and ("sliding_attention" in layer_types
-                                                         or _defaults_to_sliding_layers(config_class)):
+                                                         or "sliding_attention" in _default_layer_kinds(config_class)):
         # Gemma 2/3, Cohere 2, OLMo 3 default to sliding layers, and build a sliding mask even when no layer reads
         # it, which transformers cannot do without a window: every layer full, and a window no layer uses.
         # (Ministral's config makes its layers full when given no window, and its model still builds that mask.)
@@ -378,8 +386,8 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
         if _field_of(config_class, "layer_types"):
             try:
                 config = AutoConfig.for_model(model_type, **{**given, **full})
-            except Exception:  # (Kolibri takes no full-attention layers: its sliding ones keep the window no row
-                if not unwindowed:  # reaches that built it)
+            except StrictDataclassError:  # (its own checks refuse full-attention layers, Kolibri 1.1's: its sliding
+                if not unwindowed:  # layers keep the window no row reaches that built it)
                     raise
         else:
             with contextlib.suppress(AttributeError):  # (RecurrentGemma derives them from its block types: its
@@ -477,10 +485,11 @@ def _repaired_for_its_model(model_type: str, config_class: type, config: Pretrai
                                             for kind in sorted(kinds)}})
     sub_configs = [key for key in getattr(config_class, "sub_configs", None) or () if isinstance(given.get(key), dict)]
     error = _model_error(config) if repairs or sub_configs else None
-    missing = re.fullmatch(r"'(\w+)' object has no attribute '(\w+)'", str(error)) if error else None
+    # (a field the model read of an object that lacks it: DBRX's attention, attn_config.rope_theta)
+    unread = error if isinstance(error, AttributeError) and error.obj is not None and error.name in given else None
     for key in sub_configs:
-        if missing and type(getattr(config, key, None)).__name__ == missing[1] and missing[2] in given:
-            repairs.append({key: {**given[key], missing[2]: given[missing[2]]}})
+        if unread and type(getattr(config, key, None)) is type(unread.obj):
+            repairs.append({key: {**given[key], unread.name: given[unread.name]}})
     repairs = [edit for edit in repairs if not set(edit) & set(overrides)]
     if not repairs or error is None:
         return config, given

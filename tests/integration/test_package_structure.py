@@ -18,19 +18,22 @@ FOLDERS = {"hf_sparse_cp": ROOT / "hf_sparse_cp", "hf_sparse_cp.kernels": ROOT /
 # simulator (step time and memory on paper) beside the training path, reading the ring's plan, and testing /
 # examples on top.
 BASE = ("hf_sparse_cp.config", "hf_sparse_cp.backends", "hf_sparse_cp.env", "hf_sparse_cp.lazy", "hf_sparse_cp.recipes",
-        "hf_sparse_cp.scoped", "hf_sparse_cp.checkpoint_marker", "hf_sparse_cp.launch_env", "hf_sparse_cp.dtensors")
+        "hf_sparse_cp.scoped", "hf_sparse_cp.checkpoint_marker", "hf_sparse_cp.launch_env", "hf_sparse_cp.dtensors",
+        "hf_sparse_cp.close_names")
 MODEL_PATH = (*BASE, "hf_sparse_cp.distributed", "hf_sparse_cp.attention", "hf_sparse_cp.loss", "hf_sparse_cp.smet",
               "hf_sparse_cp.memory")
 ALLOWED = {
     "hf_sparse_cp.kernels": (),
-    "hf_sparse_cp.config": ("hf_sparse_cp.scoped",),
+    "hf_sparse_cp.config": ("hf_sparse_cp.scoped", "hf_sparse_cp.close_names"),
     "hf_sparse_cp.backends": (),
     "hf_sparse_cp.lazy": (),
     "hf_sparse_cp.scoped": (),  # a context variable set for a block
     "hf_sparse_cp.checkpoint_marker": (),  # a checkpoint's marker and a run's newest complete checkpoint, torch-free
     "hf_sparse_cp.launch_env": (),  # whether this process is one of a launched group: one rule, torch-free
     "hf_sparse_cp.dtensors": (),  # how a DTensor built from local shards is laid out: torch only
-    "hf_sparse_cp.recipes": (),  # the shipped files (training recipes, accelerate configs, patterns) by name
+    # the shipped files (training recipes, accelerate configs, patterns) by name, a refusal naming the close ones
+    "hf_sparse_cp.recipes": ("hf_sparse_cp.close_names",),
+    "hf_sparse_cp.close_names": (),  # the "did you mean" rule: difflib only
     "hf_sparse_cp.env": ("hf_sparse_cp.version",),
     "hf_sparse_cp.attention": (*BASE, "hf_sparse_cp.kernels"),
     "hf_sparse_cp.loss": BASE,

@@ -198,6 +198,30 @@ def test_the_header_states_the_target_and_the_realized_kept_fraction(tmp_path, m
            "--density)" in header
 
 
+def test_each_lengths_sparse_layout_is_drawn_once_for_the_header_and_the_rows(tmp_path, monkeypatch, capsys):
+    """The header's realized kept fraction drew each length's layout once more than the rows did (the same seed: the
+    same numbers, twice the drawing): one draw per length now, the header's the rows' (every configuration and CP
+    size of a length reads it from the workload's cache)."""
+    from hf_sparse_cp.simulator import simulate_cli
+
+    drawn = []
+
+    def counted(*args, **kwargs):
+        drawn.append(args[2])  # (its length)
+        return draw(*args, **kwargs)
+
+    draw = simulate_cli.random_vertical_slash_layout
+    monkeypatch.setattr(simulate_cli, "random_vertical_slash_layout", counted)
+    monkeypatch.chdir(tmp_path)
+    report = simulate_cli.main(["--seq", "16384", "32768", "--cp", "4", "8", "--no-mtraining", "--layout-heads", "1",
+                                "--all", "--json", "report.json"])
+    assert drawn == [16384, 32768]
+    header = capsys.readouterr().out.split(simulate_cli.HEADER)[0]
+    for seq in (16384, 32768):
+        (kept,) = {r["kept"] for r in report["rows"] if r["seq"] == seq and r["config"] == "striped sparse"}
+        assert f"  {seq} tokens: kept target " in header and f", realized {kept:.3f}; " in header
+
+
 def test_simulate_answers_for_the_cp_mode_asked(tmp_path, monkeypatch, capsys):
     """`--cp_mode` / `--cp_ulysses_size` as training takes them (#49): the sparse rows are the mode's (resolved per CP
     size by the mode objects: heads over 8 of 8 GPUs is ulysses), priced by the head-parallel step model on the
@@ -326,3 +350,29 @@ def test_two_runs_of_one_simulate_command_write_the_same_report(tmp_path):
         del report["created"], report["args"]["json"], report["args"]["png"]
         reports.append(report)
     assert reports[0] == reports[1]
+
+
+def test_simulate_and_memory_give_a_rank_the_same_tokens_and_simulate_names_training_s_padding(tmp_path,
+                                                                                                monkeypatch, capsys):
+    """`memory --seq-len 1000 --cp 3` answered where `simulate` refused; under zigzag they split the sequence apart
+    (memory 384 tokens a rank, training and simulate 512). One split now (`head_group_plan`): at a length of whole
+    chunks each rank's tokens in simulate's rows are memory's, and simulate's refusal of 1000 says that training pads
+    it and that memory predicts it so."""
+    from hf_sparse_cp.simulator import memory_cli, simulate_cli
+
+    monkeypatch.chdir(tmp_path)
+    report = simulate_cli.main(["--model", "qwen2.5-0.5b", "--seq", "1536", "--cp", "3", "--configs", "dense ring",
+                                "zigzag sparse", "striped sparse", "--no-mtraining", "--layout-heads", "1", "--json",
+                                "simulate.json"])
+    for config, sharding in (("dense ring", "zigzag"), ("zigzag sparse", "zigzag"), ("striped sparse", "striped")):
+        memory_cli.main(["--model", "qwen2.5-0.5b", "--seq-len", "1536", "--cp", "3", "--cp_sharding", sharding,
+                         "--quiet", "--json", "memory.json"])
+        tokens = json.loads((tmp_path / "memory.json").read_text())["lengths"]["1536"]["tokens_per_rank"]
+        (row,) = [r for r in report["rows"] if r["config"] == config]
+        assert [blocks * simulate_cli.BLOCK for blocks in row["local_blocks"]] == [tokens] * 3 == [512] * 3
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        simulate_cli.main(["--seq", "1000", "--cp", "3", "--no-mtraining"])
+    assert ("--seq 1000 must be a multiple of 768 (whole zigzag chunks of 128-token blocks at --cp 3): e.g. --seq 768 "
+            "or --seq 1536. (Training pads it to its split's grid, and `hf-sparse-cp memory` predicts it padded"
+            in capsys.readouterr().err)

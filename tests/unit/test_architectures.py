@@ -456,13 +456,18 @@ _DSA = dict(num_key_value_heads=4, qk_nope_head_dim=32, qk_rope_head_dim=32, v_h
 _INDEXED = r"Model type '{}' selects the keys each query attends to with a sparse-attention indexer of its own"
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4"])
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4",
+                                        *released_model_types("kolibri1_1")])
 def test_a_model_with_indexed_attention_loaded_on_the_backend_is_refused_at_its_mask(model_type):
     """Models whose layers are of type 'indexed_attention' (DSA: an indexer selects each query's keys from the 4D
     mask eager and sdpa get), loaded with attn_implementation='sparse_cp' without configure(): their forward failed in
     the indexer with transformers' "TypeError: 'NoneType' object is not subscriptable" (an IndexError with a padded
     batch), naming no fix. Their mask is refused naming the fix; DeepSeek-V4, whose layers have an indexer of other
-    types that reads no mask, still runs where its layers are plain attention."""
+    types that reads no mask, still runs where its layers are plain attention. Kolibri 1.1, indexed every fifth layer
+    and sliding between: its tiny model's two layers were both sliding, and ran (what no Kolibri 1.1 model does under
+    sparse_cp); its last layer is indexed now, as a hybrid's tiny model attends last."""
+    if model_type == "kolibri1_1":
+        assert tiny_config(model_type).layer_types == ["sliding_attention", "indexed_attention"]
     hf_sparse_cp.patch()
     try:
         model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="sparse_cp")
@@ -664,8 +669,10 @@ def test_a_tiny_model_of_a_family_whose_sizes_the_tiny_fields_missed_runs_and_sp
     layers are sliding or indexed, never full. Both tiny configs were refused ('tie_word_embeddings is not
     supported', '`index_num_heads` must be between 1 and ...'): each now builds a small model (DBRX untied, 2 key
     heads, 4 experts; Kolibri's sliding layers with a window no row reaches), and sparse_cp with every block kept
-    gives sdpa's logits."""
-    config = tiny_config(model_type, vocab_size=97)
+    gives sdpa's logits (Kolibri's sliding layers alone: sparse_cp refuses its indexed ones, which its tiny model holds
+    by default, test_a_model_with_indexed_attention_loaded_on_the_backend_is_refused_at_its_mask)."""
+    sliding = {"layer_types": ["sliding_attention"] * 2} if model_type == "kolibri1_1" else {}
+    config = tiny_config(model_type, vocab_size=97, **sliding)
     if model_type == "dbrx":
         assert not config.tie_word_embeddings and config.attn_config.kv_n_heads == 2
         assert (config.ffn_config.moe_num_experts, config.ffn_config.moe_top_k) == (4, 2)

@@ -776,6 +776,28 @@ def test_a_peft_adapters_folder_is_refused_naming_its_base_models_config(command
     assert capsys.readouterr().out.strip().isdigit()
 
 
+@pytest.mark.parametrize("cp, mode, sharding, tokens", [
+    (3, [], "striped", 384), (3, [], "zigzag", 512), (3, [], "contiguous", 384),
+    (6, ["--cp_mode", "hybrid", "--cp_ulysses_size", "2"], "striped", 384),
+    (6, ["--cp_mode", "hybrid", "--cp_ulysses_size", "2"], "zigzag", 512),
+    (4, ["--cp_mode", "ulysses"], "contiguous", 512)], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_a_length_off_the_split_grid_is_predicted_padded_as_training_and_simulate_split_it(cp, mode, sharding, tokens,
+                                                                                          tmp_path):
+    """`memory --seq-len 1000 --cp 3` gave each rank 3 of the 8 blocks under every block sharding; zigzag, whose two
+    chunks a rank pad the sequence to 1536 tokens (training's `ShardPlan`, which `simulate` costs), holds 512: it
+    was predicted at 384. The share is now the split's (`head_group_plan`, which simulate's head groups read too):
+    1000 tokens at CP 3, 1700 at CP 6 in head groups of 2 (zigzag's grid 1536, striped's 768)."""
+    from hf_sparse_cp.distributed.split.blocks import head_group_plan
+
+    seq = 1000 if cp == 3 else 1700
+    out = tmp_path / "memory.json"
+    cli_main(["memory", "--model", "qwen2.5-0.5b", "--seq-len", str(seq), "--cp", str(cp), *mode, "--cp_sharding",
+              sharding, "--quiet", "--json", str(out)])
+    head_size = 2 if "hybrid" in mode else cp if "ulysses" in mode else 1
+    plan = head_group_plan(sharding, cp, head_size, 128, seq)
+    assert json.loads(out.read_text())["lengths"][str(seq)]["tokens_per_rank"] == tokens == plan.local_len // head_size
+
+
 def test_document_sharding_is_predicted_at_the_planners_token_cap(capsys):
     """Under --cp_sharding document the busiest rank may hold up to the planner's cap (1.25x the mean of the blocks,
     plus one block; the planner keeps it: tests/distributed/test_cp_documents.py), which the prediction sizes the

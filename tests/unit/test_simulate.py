@@ -492,10 +492,10 @@ def test_every_argument_is_checked_before_anything_prints_and_refused_as_argpars
         (["--seq", "8192", "--cp", "2", "--json", str(tmp_path)], f"--json {tmp_path} is a folder; give the path of a "
                                                                   "file"),
         (["--seq", "1000", "--cp", "2"], "--seq 1000 must be a multiple of 512 (whole zigzag chunks of 128-token "
-                                         "blocks at --cp 2): e.g. --seq 512 or --seq 1024."),
+                                         "blocks at --cp 2): e.g. --seq 512 or --seq 1024. (Training pads it"),
         (["--seq", "8192", "65000", "--cp", "2", "32"],
          "--seq 65000 must be a multiple of 8192 (whole zigzag chunks of 128-token blocks at --cp 32): e.g. "
-         "--seq 57344 or --seq 65536."),
+         "--seq 57344 or --seq 65536. (Training pads it"),
         (["--model", "qwen2.5-0.5b", "--seq", "65536", "--cp", "64", "--cp_mode", "ulysses"],
          "--cp 64 --cp_mode ulysses: a head-parallel degree of 64 needs at least 64 query heads"),
         # more dense first layers than the model has: a traceback after the first rows of the table, before

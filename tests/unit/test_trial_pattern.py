@@ -36,6 +36,25 @@ def test_a_pattern_that_is_no_file_and_no_shipped_name_is_refused_with_the_close
         recipe_path("trail")
 
 
+def test_a_pattern_file_name_with_a_typo_is_refused_with_the_closest_file_beside_it(tmp_path, monkeypatch):
+    """`--sparse_config pattern.yml` (the file is pattern.yaml) and `patern.yaml` named no file, as a shipped name's
+    typo is named: the refusal names the YAML / JSON files closest to it in the folder it gives (the current one for
+    a bare name), spelt as it is; a file of another kind there is no guess."""
+    for name in ("pattern.yaml", "my_sparse.json", "pattern.txt"):
+        (tmp_path / name).write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
+    for typo, close in (("pattern.yml", "pattern.yaml"), ("patern.yaml", "pattern.yaml"),
+                        ("my_spars.json", "my_sparse.json"), (f"{tmp_path}/pattern.yml", f"{tmp_path}/pattern.yaml")):
+        with pytest.raises(FileNotFoundError, match=re.escape(f"Config file {typo!r} does not exist, nor is it a "
+                                                              f"shipped pattern (trial); did you mean {close!r}? ")):
+            SparseCPArguments(sparse_config=typo).attention_config()
+    for unrelated in ("unrelated.yaml", f"{tmp_path}/unrelated.yaml"):  # (names compared, not their folders)
+        with pytest.raises(FileNotFoundError, match=re.escape("shipped pattern (trial); `hf-sparse-cp recipes`")):
+            pattern_path(unrelated)
+    with pytest.raises(FileNotFoundError, match=re.escape("did you mean 'pattern.yaml'?")):
+        recipe_path("pattern.yml")  # (`--recipe`, by the same code)
+
+
 def test_a_folder_given_for_a_pattern_or_recipe_file_is_named_a_folder(tmp_path):
     """`--sparse_config DIR` said the folder did not exist."""
     with pytest.raises(FileNotFoundError, match=re.escape(f"Config file '{tmp_path}' is a folder, not a file, nor is "

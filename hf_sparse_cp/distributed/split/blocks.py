@@ -261,6 +261,15 @@ class ShardPlan(BlockSplit):
         return True
 
 
+def head_group_plan(sharding: str, cp_size: int, head_size: int, block_size: int, seq_len: int) -> ShardPlan:
+    """The ring's split of `seq_len` tokens under CP of `cp_size` ranks in head groups of `head_size` (1: the ring
+    alone), as `distributed.modes` split them: `sharding` over the ring of cp_size / head_size ranks (the whole
+    sequence on one, 'contiguous', where one head group holds every rank: Ulysses), each shard in head_size pieces.
+    Every rank holds `local_len` / head_size of its tokens, padding to the plan's `granularity` included."""
+    ring = cp_size // head_size
+    return ShardPlan(sharding if ring > 1 else "contiguous", ring, block_size, seq_len, pieces=head_size)
+
+
 class NestedSplit(BlockSplit):
     """A split of a split: every rank of `outer` cuts its blocks (ascending) into `pieces` contiguous
     runs of equal length, and CP rank `o * pieces + i` holds run i of outer rank o.

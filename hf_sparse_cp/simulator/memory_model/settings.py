@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ...config import SparseAttentionConfig
+from ...distributed.split.blocks import SHARDINGS, head_group_plan
 from ...memory.savers import MemorySavers
 from ..kept_curve import DEFAULT_CURVE, KeptCurve
 from ..lora import LoraSettings
@@ -36,6 +37,10 @@ class StepSettings:
         metadata={"help": "Under --cp_sharding document: the planner's token cap (--cp_planner_max_token_ratio), the "
                   "busiest rank holding up to this multiple of the mean of the sequence's blocks plus one block; "
                   "None: a block sharding's equal shares."})
+    sharding: Literal["striped", "zigzag", "contiguous"] = field(
+        default="striped",
+        metadata={"help": "The block sharding (--cp_sharding) whose grid a sequence pads to, as training pads it "
+                  "(zigzag's two chunks a rank: twice the others' grid); with max_token_ratio, unread."})
     head_size: int = field(
         default=1,
         metadata={"help": "Ranks of a head group (the CP mode's: 1 for the ring, cp for ulysses, cp_ulysses_size for "
@@ -84,6 +89,7 @@ class StepSettings:
             raise ValueError("optimizer='smet' with LoRA: SMET's compact state is for full fine-tuning's layer "
                              "matrices, which LoRA freezes; use optimizer='adamw' for the adapters.")
         for name, allowed in (("optimizer", ("adamw", "smet", "none")), ("device", ("cuda", "cpu")),
+                              ("sharding", SHARDINGS),
                               ("loss_backend", ("torch", "liger"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is unknown; use one of {allowed}.")
@@ -106,12 +112,13 @@ def with_savers(settings: StepSettings, **changes) -> StepSettings:
 
 
 def rank_tokens(seq_len: int, s: StepSettings) -> int:
-    """The tokens of the busiest rank: the sequence itself on one rank, a block sharding's equal share of its
-    blocks, or the document planner's token cap (`max_token_ratio`)."""
+    """The tokens of the busiest rank: the sequence itself on one rank, a block sharding's equal share of the
+    sequence padded to its grid (`head_group_plan`, the split training runs and `simulate` costs), or the document
+    planner's token cap (`max_token_ratio`)."""
     if s.cp == 1:
         return seq_len
     bs = s.pattern.block_size
-    blocks = math.ceil(seq_len / bs)
     if s.max_token_ratio is None:
-        return math.ceil(blocks / s.cp) * bs
+        return head_group_plan(s.sharding, s.cp, s.head_size, bs, seq_len).local_len // s.head_size
+    blocks = math.ceil(seq_len / bs)
     return min(blocks, math.floor(s.max_token_ratio * blocks / s.cp) + 1) * bs
