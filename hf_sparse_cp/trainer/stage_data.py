@@ -154,20 +154,26 @@ class StageDataLoader:
         return getattr(self._current(), name)
 
 
-def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int) -> None:
+def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int,
+                      lengths: np.ndarray | None = None) -> None:
     """Raise ValueError, naming the fix, unless a micro-batch of every stage, cropped and collated as
     training will, has rows of the stage's length: samples shorter than a stage are never extended, and
     a collator that packs a micro-batch into one row (`DataCollatorWithFlattening`) makes rows longer
-    than the cropped samples. The refusal is the user's (`flag_errors`); an error of the collator keeps its
-    traceback."""
-    samples, n = StageSamples(dataset), min(batch_size, len(dataset))
+    than the cropped samples. The micro-batch is of the first samples; with `lengths` (every sample's tokens,
+    `stage_loader.sample_lengths`), of the first that reach the stage (shorter ones train as shorter rows,
+    `stage_loader.check_drawn_lengths`), or the longest sample where none does. The refusal is the user's
+    (`flag_errors`); an error of the collator keeps its traceback."""
+    samples = StageSamples(dataset)
     for i, stage in enumerate(schedule.stages):
-        batch = collator([samples[(k, stage.seq_len)] for k in range(n)])
+        first = list(range(min(batch_size, len(dataset)))) if lengths is None else (
+            np.flatnonzero(lengths >= stage.seq_len)[:batch_size].tolist() or [int(lengths.argmax())])
+        n = len(first)
+        batch = collator([samples[(k, stage.seq_len)] for k in first])
         ids = batch.get("input_ids")
         ids = batch.get("inputs_embeds") if ids is None else ids
         if ids is None or ids.shape[1] == stage.seq_len:
             continue
-        row, longest = ids.shape[1], max(sample_length(dataset[k]) for k in range(n))
+        row, longest = ids.shape[1], max(sample_length(dataset[k]) for k in first)
         why = (f"the samples hold {longest} tokens, and a stage crops samples to its length but never extends "
                f"them: give samples of at least {max(s.seq_len for s in schedule.stages)} tokens (the longest stage; "
                "--sparse_max_length in the example script), or shorten the stage" if row < stage.seq_len else

@@ -166,8 +166,8 @@ def train_data_loader(trainer: Trainer, schedule: Schedule, dims: Sequence[Paral
                                 batch_size=args.train_batch_size, grad_accum=args.gradient_accumulation_steps,
                                 max_steps=args.max_steps, seed=seed,
                                 first_step=lambda: trainer.state.global_step if args.ignore_data_skip else 0)
-    check_row_lengths(schedule, dataset, collator, args.train_batch_size)
     lengths = sample_lengths(dataset)
+    check_row_lengths(schedule, dataset, collator, args.train_batch_size, lengths)
     if lengths is not None:
         check_drawn_lengths(sampler, lengths, dataset, collator)
     loader = torch.utils.data.DataLoader(

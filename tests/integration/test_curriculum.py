@@ -726,6 +726,21 @@ def test_samples_shorter_than_their_stage_train_as_shorter_rows_warned_of_once(t
             "sample 3 holds 150 tokens, fewer than its stage's 256") in warned[0]
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_short_first_samples_train_where_the_lengths_are_read(tmp_path, caplog, batch):
+    """Each stage's first micro-batch was collated from the dataset's first samples: a short first one refused the run
+    ("would train rows of 150 tokens, not 256"), beside a longer one it ended the check in RuntimeError: stack
+    expects each tensor to be equal size, though the run draws it only in the 128-token stage. Where the lengths are
+    read, the check takes the first samples that reach the stage."""
+    samples = _short_at(_stage_data(_samples(), 0, 8, 256), {1: 150} if batch == 2 else {0: 150, 1: 150})
+    trainer = _one_process(tmp_path, "0:128:1,1:256:1", samples, batch=batch, max_steps=3)
+    with caplog.at_level("WARNING", logger="hf_sparse_cp.trainer.stage_loader"):
+        trainer.train()
+    assert trainer.state.global_step == 3
+    # (batch 1: sample 1 in stage 1; batch 2: sample 1 only in stage 0, cropped to 128 tokens)
+    assert ("1 of the samples it draws" in caplog.text) == (batch == 1)
+
+
 def test_the_samples_named_are_those_the_shuffled_order_draws_from_a_datasets_dataset(tmp_path):
     """The lengths of a `datasets.Dataset` (a selection of it: an indices mapping) are read from arrow, and the
     micro-batch refused is the one the seeded sampler hands out."""
