@@ -54,7 +54,8 @@ from .cp_batches import first_batch_of_each_run, follow_first_ranks_generators, 
 from .cp_checks import check_loss, check_training_arguments, warn_inexact
 from .cp_steps import count_once_per_cp_group, cp_group_steps
 from .schedule import Stage
-from .stage_data import StageDataLoader, train_data_loader
+from .stage_data import StageDataLoader
+from .stage_loader import train_data_loader
 from .stage_plan import Schedule, build_schedule, check_zigzag_length
 
 logger = logging.getLogger(__name__)

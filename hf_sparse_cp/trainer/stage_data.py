@@ -1,7 +1,7 @@
 """The data of a curriculum run (`curriculum.py`): samples cropped to their stage's length (`StageSamples`), handed
-out by one batch sampler over the whole run (`StageBatchSampler`) in the training data loader
-(`train_data_loader`), evaluation loaders sharded over the DP ranks of the stage in progress (`StageDataLoader`), and
-the check that a stage's collated rows have its length (`check_row_lengths`)."""
+out by one batch sampler over the whole run (`StageBatchSampler`), evaluation loaders sharded over the DP ranks of
+the stage in progress (`StageDataLoader`), and the check that a stage's collated rows have its length
+(`check_row_lengths`); `stage_loader.py` builds the training data loader of them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 from transformers import Trainer
 
 from ..distributed import ParallelDims
-from ..integration import compat, compat_checks
 from .arguments import flag_errors
 from .cp_batches import dp_data_loader
 from .stage_plan import Schedule
@@ -98,7 +97,8 @@ class StageBatchSampler(torch.utils.data.Sampler):
     def __len__(self) -> int:
         return self.max_steps * self.grad_accum
 
-    def _order(self, data_epoch: int) -> torch.Tensor | None:
+    def order(self, data_epoch: int) -> torch.Tensor | None:
+        """The sample order of pass `data_epoch` over the data: a permutation, or None for the dataset's order."""
         if self.seed is None:
             return None
         return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + data_epoch))
@@ -114,7 +114,7 @@ class StageBatchSampler(torch.utils.data.Sampler):
                 for p in range(first, first + self.batch_size):
                     epoch, k = divmod(p, self.num_samples)
                     if epoch not in orders:
-                        orders = {epoch: self._order(epoch)}
+                        orders = {epoch: self.order(epoch)}
                     order = orders[epoch]
                     batch.append((k if order is None else int(order[k]), stage.seq_len))
                 yield batch
@@ -154,46 +154,26 @@ class StageDataLoader:
         return getattr(self._current(), name)
 
 
-def train_data_loader(trainer: Trainer, schedule: Schedule, dims: Sequence[ParallelDims]):
-    """The run's training data loader: `StageSamples` in `StageBatchSampler` order over the stages of `schedule`
-    (`dims`: each stage's layout), prepared without further sharding (the sampler already gives this rank its own
-    batches)."""
-    args, dataset = trainer.args, trainer.train_dataset
-    collator = trainer.data_collator
-    if args.remove_unused_columns:
-        compat_checks.require(f"transformers.Trainer.{compat.TRAINER_COLLATOR_WITHOUT_UNUSED}")
-        collator = getattr(trainer, compat.TRAINER_COLLATOR_WITHOUT_UNUSED)(collator, description="training")
-    if dataset is None or not hasattr(dataset, "__len__"):
-        with flag_errors((ValueError,)):  # (the flag against the run's data: a launched run ends with the message)
-            raise ValueError("a cp_schedule needs a train_dataset with a length (a map-style dataset).")
-    check_row_lengths(schedule, dataset, collator, args.train_batch_size)
-    seed = None if args.train_sampling_strategy == "sequential" else (
-        args.data_seed if args.data_seed is not None else args.seed)
-    # (the Trainer iterates the loader once its state is loaded: a resume's step is known then)
-    sampler = StageBatchSampler(schedule, dims, num_samples=len(dataset),
-                                batch_size=args.train_batch_size, grad_accum=args.gradient_accumulation_steps,
-                                max_steps=args.max_steps, seed=seed,
-                                first_step=lambda: trainer.state.global_step if args.ignore_data_skip else 0)
-    loader = torch.utils.data.DataLoader(
-        StageSamples(dataset), batch_sampler=sampler, collate_fn=collator, num_workers=args.dataloader_num_workers,
-        pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers)
-    return dp_data_loader(trainer, ParallelDims.single())(loader)
-
-
-def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int) -> None:
+def check_row_lengths(schedule: Schedule, dataset, collator, batch_size: int,
+                      lengths: np.ndarray | None = None) -> None:
     """Raise ValueError, naming the fix, unless a micro-batch of every stage, cropped and collated as
     training will, has rows of the stage's length: samples shorter than a stage are never extended, and
     a collator that packs a micro-batch into one row (`DataCollatorWithFlattening`) makes rows longer
-    than the cropped samples. The refusal is the user's (`flag_errors`); an error of the collator keeps its
-    traceback."""
-    samples, n = StageSamples(dataset), min(batch_size, len(dataset))
+    than the cropped samples. The micro-batch is of the first samples; with `lengths` (every sample's tokens,
+    `stage_loader.sample_lengths`), of the first that reach the stage (shorter ones train as shorter rows,
+    `stage_loader.check_drawn_lengths`), or the longest sample where none does. The refusal is the user's
+    (`flag_errors`); an error of the collator keeps its traceback."""
+    samples = StageSamples(dataset)
     for i, stage in enumerate(schedule.stages):
-        batch = collator([samples[(k, stage.seq_len)] for k in range(n)])
+        first = list(range(min(batch_size, len(dataset)))) if lengths is None else (
+            np.flatnonzero(lengths >= stage.seq_len)[:batch_size].tolist() or [int(lengths.argmax())])
+        n = len(first)
+        batch = collator([samples[(k, stage.seq_len)] for k in first])
         ids = batch.get("input_ids")
         ids = batch.get("inputs_embeds") if ids is None else ids
         if ids is None or ids.shape[1] == stage.seq_len:
             continue
-        row, longest = ids.shape[1], max(sample_length(dataset[k]) for k in range(n))
+        row, longest = ids.shape[1], max(sample_length(dataset[k]) for k in first)
         why = (f"the samples hold {longest} tokens, and a stage crops samples to its length but never extends "
                f"them: give samples of at least {max(s.seq_len for s in schedule.stages)} tokens (the longest stage; "
                "--sparse_max_length in the example script), or shorten the stage" if row < stage.seq_len else

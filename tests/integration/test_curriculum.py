@@ -617,7 +617,7 @@ def test_a_stage_added_after_the_checkpoint_resumes_as_the_extended_run_uninterr
 # ---- one process: what a stage trains, and what it leaves behind (issue #31) ----
 
 
-def _one_process(tmp_path, schedule: str, samples: list[dict], collator=None, batch: int = 1):
+def _one_process(tmp_path, schedule: str, samples: list[dict], collator=None, batch: int = 1, max_steps: int = 2):
     from transformers import AutoModelForCausalLM, default_data_collator
 
     from hf_sparse_cp.testing.tiny_models import tiny_config
@@ -625,7 +625,7 @@ def _one_process(tmp_path, schedule: str, samples: list[dict], collator=None, ba
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
-    args = _args(str(tmp_path), False, cp_schedule=schedule, max_steps=2, per_device_train_batch_size=batch)
+    args = _args(str(tmp_path), False, cp_schedule=schedule, max_steps=max_steps, per_device_train_batch_size=batch)
     return SparseTrainer(model=model, args=args, train_dataset=samples, data_collator=collator or default_data_collator)
 
 
@@ -661,6 +661,105 @@ def test_a_stage_whose_rows_pack_several_samples_is_refused_before_training(tmp_
     assert ("or with rows packed before the collator (TRL's packing=True, or restarting position_ids in the data) one "
             "to a batch: --per_device_train_batch_size 1, with --gradient_accumulation_steps for more") in str(
                 refused.value)
+
+
+def _short_at(samples: list[dict], lengths: dict[int, int]) -> list[dict]:
+    """`samples` with sample k cut to `lengths[k]` tokens."""
+    return [{key: v[:lengths.get(k, len(v))] for key, v in s.items()} for k, s in enumerate(samples)]
+
+
+class _Unscanned(torch.utils.data.Dataset):
+    """A torch Dataset whose lengths cannot be read before training (one that tokenizes in __getitem__)."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, k):
+        return self.samples[k]
+
+
+def _padding_collator(rows):
+    """Pads rows to the micro-batch's longest, as DataCollatorWithPadding and TRL's SFT collator do."""
+    pad = torch.nn.utils.rnn.pad_sequence
+    return {"input_ids": pad([r["input_ids"] for r in rows], batch_first=True),
+            "labels": pad([r["labels"] for r in rows], batch_first=True, padding_value=-100),
+            "attention_mask": pad([torch.ones_like(r["input_ids"]) for r in rows], batch_first=True)}
+
+
+@pytest.mark.parametrize("scanned", [True, False])
+def test_a_later_sample_shorter_than_its_stage_beside_a_longer_one_is_refused_naming_it(tmp_path, scanned):
+    """Only the first micro-batch of each stage was checked: a later 150-token sample beside a 256-token one in
+    stage 1 ended the run when its step came (hours into a real one) in RuntimeError: stack expects each tensor to be
+    equal size (default_data_collator). A list's lengths are read before training; a dataset's that cannot be read
+    are refused at the step, as the user's."""
+    from hf_sparse_cp.trainer.arguments import is_flag_error
+
+    samples = _short_at(_stage_data(_samples(), 0, 8, 256), {3: 150})
+    trainer = _one_process(tmp_path, "0:128:1,1:256:1", samples if scanned else _Unscanned(samples), batch=2)
+    named = "step 1 draws samples [2, 3], rows of [256, 150] tokens" if scanned else (
+        "samples [2, 3] of the 256-token stage are rows of [256, 150] tokens")
+    with pytest.raises(ValueError, match=re.escape(named) + ".* which the data collator cannot batch .*RuntimeError: "
+                       "stack expects.*give a data collator that pads rows") as refused:
+        trainer.train()
+    assert is_flag_error(refused.value)
+    # (before training; at the step: the loader fetches step 1's batch during step 0)
+    assert trainer.state.global_step == 0
+
+
+@pytest.mark.parametrize("scanned", [True, False])
+def test_samples_shorter_than_their_stage_train_as_shorter_rows_warned_of_once(tmp_path, caplog, scanned):
+    """TRL's packing leaves the last rows short: they train exactly as shorter rows (padded with the micro-batch where
+    the collator pads), so they are counted in one warning, not refused (a strict check of every sample refused
+    such a dataset); before, nothing said so."""
+    samples = _short_at(_stage_data(_samples(), 0, 8, 256), {3: 150, 5: 40, 6: 200})
+    trainer = _one_process(tmp_path, "0:128:1,1:256:1", samples if scanned else _Unscanned(samples),
+                           _padding_collator, batch=2, max_steps=4)
+    with caplog.at_level("WARNING", logger="hf_sparse_cp.trainer.stage_loader"):
+        trainer.train()
+    assert trainer.state.global_step == 4
+    warned = [r.getMessage() for r in caplog.records if r.name == "hf_sparse_cp.trainer.stage_loader"]
+    assert len(warned) == 1, warned
+    assert ("stage 1 (1:256:1): 3 of the samples it draws, the shortest of 40 tokens" if scanned else
+            "sample 3 holds 150 tokens, fewer than its stage's 256") in warned[0]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_short_first_samples_train_where_the_lengths_are_read(tmp_path, caplog, batch):
+    """Each stage's first micro-batch was collated from the dataset's first samples: a short first one refused the run
+    ("would train rows of 150 tokens, not 256"), beside a longer one it ended the check in RuntimeError: stack
+    expects each tensor to be equal size, though the run draws it only in the 128-token stage. Where the lengths are
+    read, the check takes the first samples that reach the stage."""
+    samples = _short_at(_stage_data(_samples(), 0, 8, 256), {1: 150} if batch == 2 else {0: 150, 1: 150})
+    trainer = _one_process(tmp_path, "0:128:1,1:256:1", samples, batch=batch, max_steps=3)
+    with caplog.at_level("WARNING", logger="hf_sparse_cp.trainer.stage_loader"):
+        trainer.train()
+    assert trainer.state.global_step == 3
+    # (batch 1: sample 1 in stage 1; batch 2: sample 1 only in stage 0, cropped to 128 tokens)
+    assert ("1 of the samples it draws" in caplog.text) == (batch == 1)
+
+
+def test_the_samples_named_are_those_the_shuffled_order_draws_from_a_datasets_dataset(tmp_path):
+    """The lengths of a `datasets.Dataset` (a selection of it: an indices mapping) are read from arrow, and the
+    micro-batch refused is the one the seeded sampler hands out."""
+    from datasets import Dataset
+
+    from hf_sparse_cp.trainer.stage_loader import check_drawn_lengths, sample_lengths
+
+    rows = [list(range(n)) for n in (256, 100, 256, 256, 256, 256, 256, 90, 256, 256)]
+    data = Dataset.from_dict({"input_ids": rows, "labels": rows}).select([9, 8, 7, 6, 5, 4, 3, 2, 1, 0])
+    data.set_format("torch")
+    lengths = sample_lengths(data)
+    assert lengths.tolist() == [256, 256, 90, 256, 256, 256, 256, 256, 100, 256]
+    schedule = _build("0:128:1,2:256:1", world=1, max_steps=5)
+    sampler = StageBatchSampler(schedule, [ParallelDims.single()] * 2, num_samples=10, batch_size=2, grad_accum=1,
+                                max_steps=5, seed=3)
+    drawn = [batch for batch in sampler if batch[0][1] == 256 and len({lengths[k] for k, _ in batch}) > 1][0]
+    stack = lambda rows: {k: torch.stack([r[k] for r in rows]) for k in rows[0]}  # noqa: E731
+    with pytest.raises(ValueError, match=re.escape(f"draws samples {[k for k, _ in drawn]}")):
+        check_drawn_lengths(sampler, lengths, data, stack)
 
 
 def test_a_dataset_without_a_length_is_refused_as_a_bad_flag(tmp_path):
