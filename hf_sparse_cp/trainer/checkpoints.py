@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils.constants import FSDP_MODEL_NAME
+from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import (
@@ -441,14 +441,14 @@ def check_adapter_fits(folder: Path, model: Any, marked: bool = True) -> None:
     only with a traceback from every rank (another rank: the adapter's "size mismatch"; another number of tensors: the
     optimizer's parameter groups; under FSDP2 with a sharded state dict type, a KeyError or a size mismatch), and
     resumes as many target modules as saved but other ones silently, with one tensor's optimizer state on another's.
-    The saved tensors are read without loading them (`_saved_tensors`); a checkpoint holding none of the adapter's is
-    left to the Trainer.
+    The saved tensors are read without loading them (`_saved_tensors`); a checkpoint holding no adapter file and no
+    sharded state (the plugin's or accelerate's) is left to the Trainer.
 
     A checkpoint the plugin `marked` is refused too when PEFT was switched on or off since: the whole model's weights
     and no adapter resumed by a PEFT model (the Trainer loads no weight, then fails on the optimizer's parameter
     groups), an adapter and no whole model resumed by a model without one (the Trainer looks for a sharded model);
-    under FSDP2 with a sharded state dict type, which saves neither, a sharded state of such other parameters (its
-    load fails on a KeyError)."""
+    under FSDP with a sharded state dict type, which saves neither, a sharded state (the plugin's, or accelerate's
+    distributed checkpoint) of such other parameters (its load fails on a KeyError or a missing key)."""
     adapter = _has_adapter(model)
     if marked:
         _check_peft_kept(folder, model, adapter)
@@ -457,7 +457,12 @@ def check_adapter_fits(folder: Path, model: Any, marked: bool = True) -> None:
         return
     where, saved, ours = found
     base = model.state_dict().keys()  # (a run that resized the vocabulary saves the base model's embedding weights too)
-    saved = {key: shape for key, shape in saved.items() if key in ours or key not in base}
+    # (PEFT names a module to save's copy as the base's module: one this run drops is in the base model but not in its
+    # adapter; told from a resized vocabulary's embedding weights where it is no embedding)
+    besides = [key for key in saved if key not in ours and key in base
+               and where.name in (ADAPTER_SAFE_WEIGHTS_NAME, f"{FSDP_MODEL_NAME}_0")]
+    dropped = [key for key in besides if key not in _embedding_weights(model)]
+    saved = {key: shape for key, shape in saved.items() if key in ours or key not in base or key in dropped}
     names = set(getattr(model, "peft_config", ()))  # (the adapter's own tensors first: a full name has its adapter's)
     differ = sorted([(key, f"its {key} is not in this run's adapter") for key in saved if key not in ours]
                     + [(key, f"this run's {key} is not in it") for key in ours if key not in saved]
@@ -476,15 +481,22 @@ def check_adapter_fits(folder: Path, model: Any, marked: bool = True) -> None:
             differ.append(f"its modules_to_save are {modules[0]}, this run's {modules[1]}")
     if not differ:
         return
+    note = ""
     if config_path is not None:
         flags, settings = _adapter_flags(_saved_adapter_config(config_path)), str(config_path)
     else:  # (FSDP with a sharded state dict type saves no adapter_config.json: its tensors show the LoRA settings)
         shown = f"{where.relative_to(folder)}{'/' * where.is_dir()}"
-        flags, settings = _adapter_flags(_lora_settings(saved)), f"as its {shown} shows"
+        settings = _lora_settings(saved)
+        settings["modules_to_save"] = sorted({*settings["modules_to_save"], *(key.split(".")[-2] for key in dropped)})
+        flags, settings = _adapter_flags(settings), f"as its {shown} shows"
+        embeddings = sorted(set(besides) - set(dropped))
+        if embeddings:  # (a module to save, or a resized vocabulary's: its tensors do not tell)
+            note = (f"; its {', '.join(embeddings)} too: --lora_modules_to_save "
+                    f"{' '.join(key.split('.')[-2] for key in embeddings)} where it was a module to save")
     raise ValueError(f"Checkpoint {str(folder)!r} holds a PEFT adapter with other tensors than this run's "
                      f"({len(differ)} differ; e.g. {differ[0]}): its optimizer state cannot continue this run's "
                      f"adapter. Resume with the adapter settings it was saved with ({settings}"
-                     f"{'; TRL: ' + flags if flags else ''}), or train from the start in a new --output_dir.")
+                     f"{'; TRL: ' + flags if flags else ''}{note}), or train from the start in a new --output_dir.")
 
 
 def _has_adapter(model: Any) -> bool:
@@ -505,6 +517,15 @@ def _adapter_name(model: Any) -> str:
     return (active() if callable(active) else active)[0]
 
 
+def _embedding_weights(model: Any) -> set[str]:
+    """The names in `model`'s state dict of its input and output embeddings' tensors (a targeted one's base layer's
+    too)."""
+    embeddings = {id(module) for module in (model.get_input_embeddings(), model.get_output_embeddings())
+                  if module is not None}
+    return {f"{name}.{key}" for name, module in model.named_modules() if id(module) in embeddings
+            for key in module.state_dict()}
+
+
 def _adapter_files(folder: Path) -> list[Path]:
     """The adapter weights files of the checkpoint `folder`, as the Trainer's load finds them: in the folder, or each of
     several adapters in its own subfolder (PEFT saves an adapter not named "default" there)."""
@@ -518,8 +539,9 @@ def _saved_tensors(folder: Path, model: Any) -> tuple[Path, dict[str, tuple[int,
     there and in `model` under the same names; None where it holds none of them (or `model` is no `PeftModel` and the
     checkpoint has no sharded state). What the resume loads, read without loading a tensor: the plugin's sharded state
     (FSDP2: every parameter, by its name in the model), else the adapter's safetensors file (in its own subfolder where
-    it has one) or, under FSDP with a sharded state dict type, accelerate's distributed checkpoint (its metadata),
-    both by PEFT's names (`get_peft_model_state_dict`)."""
+    it has one) by PEFT's names (`get_peft_model_state_dict`), or, under FSDP with a sharded state dict type,
+    accelerate's distributed checkpoint (its metadata): its optimizer state's parameters where it holds Adam's moments
+    (by their names in the model: a module to save's copy is told from the base's), else the adapter by PEFT's names."""
     if has_sharded_state(folder):
         return folder / SHARDED_STATE, _sharded_parameters(folder), {
             name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -529,16 +551,30 @@ def _saved_tensors(folder: Path, model: Any) -> tuple[Path, dict[str, tuple[int,
     name = _adapter_name(model)
     files = {path.parent: path for path in _adapter_files(folder) if path.name == ADAPTER_SAFE_WEIGHTS_NAME}
     path = files.get(folder / name, files.get(folder))
-    dcp = folder / f"{FSDP_MODEL_NAME}_0"
     if path is not None:
         saved = _shapes(path)
-    elif (dcp / ".metadata").is_file():
-        path, saved = dcp, _dcp_shapes(dcp)
+    elif (state := _fsdp_state(folder)) is not None and all(key.startswith("base_model.") for key in state[1]):
+        trained = _optimized_parameters(folder)  # (a whole model's state is `_check_peft_kept`'s)
+        if trained is not None:
+            return folder / f"{OPTIMIZER_NAME}_0", trained, {
+                name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
+        path, saved = state
     else:
         return None
     # (PEFT's own choice of whether to save the embedding weights too may read the base model's config from the Hub)
     return path, saved, {key: tuple(tensor.shape) for key, tensor in
                          peft.get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False).items()}
+
+
+def _fsdp_state(folder: Path) -> tuple[Path, dict[str, tuple[int, ...]]] | None:
+    """Where the checkpoint `folder`, saved under FSDP with a sharded state dict type (no weights file), holds the
+    model's state, and each tensor's shape: the plugin's sharded state (every parameter, by its name in the model), else
+    accelerate's distributed checkpoint (its metadata: a PEFT model's adapter by PEFT's names, or the whole model's
+    state dict); None where it holds neither."""
+    if has_sharded_state(folder):
+        return folder / SHARDED_STATE, _sharded_parameters(folder)
+    dcp = folder / f"{FSDP_MODEL_NAME}_0"
+    return (dcp, _dcp_shapes(dcp)) if (dcp / ".metadata").is_file() else None
 
 
 def _sharded_parameters(folder: Path) -> dict[str, tuple[int, ...]]:
@@ -557,13 +593,14 @@ def _check_peft_kept(folder: Path, model: Any, adapter: bool) -> None:
              if (folder / name).is_file()]
     if bool(adapters) != bool(whole):
         saved_adapter, holds = bool(adapters), str(adapters[0].relative_to(folder)) if adapters else whole[0]
-    elif not adapters and has_sharded_state(folder):
-        # (FSDP2 with a sharded state dict type saves neither: its sharded state's parameter names tell, a PEFT model's
-        # all under `base_model.`; only where they are not this run's, which its load fails on with a KeyError)
-        names = set(_sharded_parameters(folder))
+    elif not adapters and (state := _fsdp_state(folder)) is not None:
+        # (FSDP with a sharded state dict type saves neither: its sharded state's tensor names tell, a PEFT model's all
+        # under `base_model.`; only where they are not this run's, which its load fails on with a KeyError)
+        where, shapes = state
+        names = set(shapes)
         if not names or names == {name for name, _ in model.named_parameters()}:
             return
-        saved_adapter, holds = all(n.startswith("base_model.") for n in names), f"its parameters in {SHARDED_STATE}/"
+        saved_adapter, holds = all(n.startswith("base_model.") for n in names), f"its parameters in {where.name}/"
     else:
         return
     if adapter and not saved_adapter:
@@ -576,7 +613,7 @@ def _check_peft_kept(folder: Path, model: Any, adapter: bool) -> None:
                          f"{weights}.")
     if not adapter and saved_adapter:
         config = adapters[0].parent / ADAPTER_CONFIG_NAME if adapters else None
-        settings = _saved_adapter_config(config) if config else _lora_settings(_sharded_parameters(folder))
+        settings = _saved_adapter_config(config) if config else _lora_settings(shapes)
         flags = " ".join(("--use_peft", _adapter_flags(settings) or "with its LoRA settings"))
         raise ValueError(f"Checkpoint {str(folder)!r} holds a PEFT adapter ({holds}) and not the whole model's "
                          "weights: it was saved by a PEFT run, whose optimizer state is the adapter's, and this run "
@@ -623,15 +660,31 @@ def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
         return {name: tuple(saved.get_slice(name).get_shape()) for name in saved.keys()}
 
 
-def _dcp_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """The shape of each tensor of the model state that accelerate saved as the distributed checkpoint `folder` (FSDP
-    with a sharded state dict type: {"model": state dict}), by its state dict name, read from its metadata."""
+def _dcp_shapes(folder: Path, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor of the state that accelerate saved as the distributed checkpoint `folder` (FSDP with a
+    sharded state dict type: {"model": state dict}, or {"optimizer": {"state": ...}}) under `prefix`, by its name
+    after it, read from its metadata."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    return {name.removeprefix("model."): tuple(meta.size) for name, meta in saved.items()
-            if name.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    return {name.removeprefix(prefix): tuple(meta.size) for name, meta in saved.items()
+            if name.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+
+
+def _optimized_parameters(folder: Path) -> dict[str, tuple[int, ...]] | None:
+    """The parameters whose optimizer state accelerate saved in the checkpoint `folder` as a distributed checkpoint
+    (FSDP with a sharded state dict type), by their names in the model, each with its shape, that of Adam's first
+    moment; None where there is none, or some parameter's state holds no first moment (another optimizer: its state's
+    shapes need not be the parameter's)."""
+    path = folder / f"{OPTIMIZER_NAME}_0"
+    if not (path / ".metadata").is_file():
+        return None
+    state = _dcp_shapes(path, "optimizer.state.")
+    names = {key.rpartition(".")[0] for key in state}
+    if not names or any(f"{name}.exp_avg" not in state for name in names):
+        return None
+    return {name: state[f"{name}.exp_avg"] for name in sorted(names)}
 
 
 # The transformers release whose Trainer resumes the optimizer of a run of several CPU processes: before it, it loads
