@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
+from typing import Any
 
 from transformers import Trainer
 
@@ -41,23 +43,26 @@ def keyed_by_pattern(trainer: Trainer, dataset):
     return dataset.select_columns(dataset.column_names, new_fingerprint=fingerprint)
 
 
-def refuse_unshared_cache(trainer: Trainer, dataset) -> None:
-    """Refuse, naming the fix, TRL's pass over `dataset` under several processes where they cannot share its cache
-    file: a dataset held in memory (`Dataset.from_dict`, ...) or 🤗 datasets' caching off gets a file of a random name
-    in each process's own temporary folder, which only the main process writes (TRL 1.16: the other ranks failed with
-    FileNotFoundError after the whole pass)."""
+def refuse_unshared_cache(trainer: Trainer, datasets: Mapping[str, Any]) -> None:
+    """Refuse, naming the fix and the dataset, TRL's pass over `datasets` ({name: dataset}) under several processes
+    where they cannot share its cache file: a dataset held in memory (`Dataset.from_dict`, ...) or 🤗 datasets'
+    caching off gets a file of a random name in each process's own temporary folder, which only the main process
+    writes (TRL 1.16: the other ranks failed with FileNotFoundError after the whole pass)."""
     from datasets import Dataset, is_caching_enabled
 
-    if trainer.accelerator.num_processes == 1 or not isinstance(dataset, Dataset):
+    if trainer.accelerator.num_processes == 1:
         return
-    if is_caching_enabled() and dataset.cache_files:
+    unshared = [name for name, dataset in datasets.items() if isinstance(dataset, Dataset)
+                and not (is_caching_enabled() and dataset.cache_files)]
+    if not unshared:
         return
-    held = "is held in memory" if is_caching_enabled() else "is not cached (🤗 datasets' caching is disabled)"
+    held = "held in memory" if is_caching_enabled() else "not cached (🤗 datasets' caching is disabled)"
     with flag_errors():
         raise ValueError(
-            f"--precompute_ref_log_probs under {trainer.accelerator.num_processes} processes needs a dataset stored in "
-            f"files: this one {held}. TRL caches the reference log-probs in a file the main process writes and every "
-            "process reads, named after the dataset's cache files; without them each process names its own temporary "
-            "file and the others fail to read it (FileNotFoundError, after the whole pass). Load the data from files "
-            "(datasets.load_dataset, or dataset.save_to_disk(path) then datasets.load_from_disk(path)) with caching "
-            "on, or train with --precompute_ref_log_probs false.")
+            f"--precompute_ref_log_probs under {trainer.accelerator.num_processes} processes needs datasets stored in "
+            f"files: the {' and '.join(map(repr, unshared))} {'dataset is' if len(unshared) == 1 else 'datasets are'} "
+            f"{held}. TRL caches the reference log-probs in "
+            "a file the main process writes and every process reads, named after the dataset's cache files; without "
+            "them each process names its own temporary file and the others fail to read it (FileNotFoundError, after "
+            "the whole pass). Load the data from files (datasets.load_dataset, or dataset.save_to_disk(path) then "
+            "datasets.load_from_disk(path)) with caching on, or train with --precompute_ref_log_probs false.")

@@ -443,7 +443,10 @@ class SparseTrainerMixin:
         reference it runs (a given one; under FSDP, one TRL loads from the model's path and frees after the pass)
         attending as the trained model does: it ran the stock attention, a bias in every reward. The key of its cache
         carries that pattern, and a dataset whose cache the processes cannot share is refused (`precomputed.py`)."""
-        refuse_unshared_cache(self, dataset)
+        datasets = {name: dataset}
+        if name == "train":  # (TRL's first pass, in __init__: its eval datasets' follow it, checked now, before it)
+            datasets.update(self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset})
+        refuse_unshared_cache(self, datasets)
         self._configure_loaded_model()  # (a Hub id: TRL loaded the model in this __init__, not yet set up)
         self._attend_like_trained_model()
         return super()._precompute_ref_logps(keyed_by_pattern(self, dataset), name, batch_size)

@@ -460,9 +460,10 @@ def test_precomputed_reference_log_probs_are_cached_per_pattern(tmp_path, in_fla
 
 
 def _precompute_on_ranks(rank: int, world: int, output_dir: str, in_files: bool,
-                         plugin: bool = True) -> tuple[str, list[float] | str]:
+                         plugin: bool = True, eval_in_memory: bool = False) -> tuple[str, list[float] | str]:
     """A DPOTrainer's `__init__` with --precompute_ref_log_probs on each rank, over pairs held in memory or stored in
-    files (`in_files`), the plugin's (`plugin`) or TRL's own: the log-probs it precomputed, or the error it raised."""
+    files (`in_files`; evaluated on pairs held in memory with `eval_in_memory`), the plugin's (`plugin`) or TRL's own:
+    the log-probs it precomputed, or the error it raised."""
     from trl import DPOConfig, DPOTrainer
 
     from hf_sparse_cp import SparseDPOConfig, SparseDPOTrainer
@@ -482,8 +483,9 @@ def _precompute_on_ranks(rank: int, world: int, output_dir: str, in_files: bool,
     # (TRL's own runs CPU processes as one each unless told use_cpu; the plugin runs them together)
     args = SparseDPOConfig(**settings, **PATTERN) if plugin else DPOConfig(**settings, use_cpu=True)
     try:
-        trainer = (SparseDPOTrainer if plugin else DPOTrainer)(model=model, args=args, train_dataset=data,
-                                                                processing_class=tokenizer)
+        trainer = (SparseDPOTrainer if plugin else DPOTrainer)(
+            model=model, args=args, train_dataset=data, processing_class=tokenizer,
+            eval_dataset=datasets.Dataset.from_dict(_pairs(2)) if eval_in_memory else None)
     except (ValueError, FileNotFoundError) as e:
         return type(e).__name__, str(e)
     return "ok", list(trainer.train_dataset["ref_chosen_logps"])
@@ -503,3 +505,6 @@ def test_precomputed_reference_log_probs_under_two_processes_need_a_dataset_in_f
         assert "load_from_disk" in message and "--precompute_ref_log_probs false" in message
     (kind, logps), other = run_gloo(_precompute_on_ranks, 2, str(tmp_path / "files"), True, timeout_s=120)
     assert kind == "ok" and other == (kind, logps), other
+    # (an eval dataset held in memory, whose pass TRL runs after the train dataset's: refused before that one)
+    for kind, message in run_gloo(_precompute_on_ranks, 2, str(tmp_path / "eval"), True, True, True, timeout_s=120):
+        assert kind == "ValueError" and "the 'eval' dataset is held in memory" in message, (kind, message)
