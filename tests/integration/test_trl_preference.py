@@ -501,7 +501,7 @@ def test_precomputed_reference_log_probs_under_two_processes_need_a_dataset_in_f
     assert [kind for kind, _ in stock] == ["ok", "FileNotFoundError"], stock
     refused = run_gloo(_precompute_on_ranks, 2, str(tmp_path / "memory"), False, timeout_s=120)
     for kind, message in refused:
-        assert kind == "ValueError" and "needs a dataset stored in files" in message, (kind, message)
+        assert kind == "ValueError" and "files: the 'train' dataset is held in memory" in message, message
         assert "load_from_disk" in message and "--precompute_ref_log_probs false" in message
     (kind, logps), other = run_gloo(_precompute_on_ranks, 2, str(tmp_path / "files"), True, timeout_s=120)
     assert kind == "ok" and other == (kind, logps), other
