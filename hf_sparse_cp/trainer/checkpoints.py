@@ -463,13 +463,10 @@ def check_adapter_fits(folder: Path, model: Any, marked: bool = True) -> None:
                and where.name in (ADAPTER_SAFE_WEIGHTS_NAME, f"{FSDP_MODEL_NAME}_0")]
     dropped = [key for key in besides if key not in _embedding_weights(model)]
     saved = {key: shape for key, shape in saved.items() if key in ours or key not in base or key in dropped}
-    names = set(getattr(model, "peft_config", ()))  # (the adapter's own tensors first: a full name has its adapter's)
-    differ = sorted([(key, f"its {key} is not in this run's adapter") for key in saved if key not in ours]
-                    + [(key, f"this run's {key} is not in it") for key in ours if key not in saved]
-                    + [(key, f"its {key} is {list(saved[key])}, this run's {list(ours[key])}") for key in saved
-                       if key in ours and saved[key] != ours[key]],
-                    key=lambda item: names.isdisjoint(item[0].split(".")))
-    differ = [said for _, said in differ]
+    differ = ([f"its {key} is not in this run's adapter" for key in saved if key not in ours]
+              + [f"this run's {key} is not in it" for key in ours if key not in saved]
+              + [f"its {key} is {list(saved[key])}, this run's {list(ours[key])}" for key in saved
+                 if key in ours and saved[key] != ours[key]])
     config_path = next((path / ADAPTER_CONFIG_NAME for path in (where.parent, folder)
                         if (path / ADAPTER_CONFIG_NAME).is_file()), None)
     if config_path is not None:
@@ -538,13 +535,17 @@ def _saved_tensors(folder: Path, model: Any) -> tuple[Path, dict[str, tuple[int,
     """Where the checkpoint `folder` holds the adapter that the PEFT model `model` resumes, with each tensor's shape
     there and in `model` under the same names; None where it holds none of them (or `model` is no `PeftModel` and the
     checkpoint has no sharded state). What the resume loads, read without loading a tensor: the plugin's sharded state
-    (FSDP2: every parameter, by its name in the model), else the adapter's safetensors file (in its own subfolder where
-    it has one) by PEFT's names (`get_peft_model_state_dict`), or, under FSDP with a sharded state dict type,
-    accelerate's distributed checkpoint (its metadata): its optimizer state's parameters where it holds Adam's moments
-    (by their names in the model: a module to save's copy is told from the base's), else the adapter by PEFT's names."""
+    (FSDP2: every parameter, by its name in the model, of which the adapter's are taken: `_is_adapter_tensor`), else
+    the adapter's safetensors file (in its own subfolder where it has one) by PEFT's names
+    (`get_peft_model_state_dict`), or, under FSDP with a sharded state dict type, accelerate's distributed checkpoint
+    (its metadata): its optimizer state's parameters where it holds Adam's moments (by their names in the model: a
+    module to save's copy is told from the base's), else the adapter by PEFT's names."""
     if has_sharded_state(folder):
-        return folder / SHARDED_STATE, _sharded_parameters(folder), {
-            name: tuple(p.shape) for name, p in model.named_parameters()}
+        adapters = set(getattr(model, "peft_config", ()))
+        saved = {name: shape for name, shape in _sharded_parameters(folder).items()
+                 if _is_adapter_tensor(name, adapters)}
+        ours = {name: tuple(p.shape) for name, p in model.named_parameters() if _is_adapter_tensor(name, adapters)}
+        return folder / SHARDED_STATE, saved, ours
     peft = sys.modules["peft"]
     if not isinstance(model, peft.PeftModel):
         return None
@@ -575,6 +576,14 @@ def _fsdp_state(folder: Path) -> tuple[Path, dict[str, tuple[int, ...]]] | None:
         return folder / SHARDED_STATE, _sharded_parameters(folder)
     dcp = folder / f"{FSDP_MODEL_NAME}_0"
     return (dcp, _dcp_shapes(dcp)) if (dcp / ".metadata").is_file() else None
+
+
+def _is_adapter_tensor(name: str, adapters: set[str]) -> bool:
+    """Whether the model's parameter `name` is a tensor of one of the PEFT `adapters` (by their names): PEFT keeps each
+    adapter's tensors (lora_A, lora_B, a module to save's copy, ...) under its name, `q_proj.lora_A.default.weight`,
+    and the base weights it renames, which differ with the targets (`q_proj.base_layer.weight`, a module to save's
+    `original_module`), under none."""
+    return not adapters.isdisjoint(name.split("."))
 
 
 def _sharded_parameters(folder: Path) -> dict[str, tuple[int, ...]]:

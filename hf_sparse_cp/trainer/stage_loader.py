@@ -4,12 +4,13 @@ shorter row (TRL's packing leaves its last rows short). That trains exactly, onl
 warning counts them. What cannot train is refused: a micro-batch whose rows then differ in length and which the data
 collator cannot batch (a stock `default_data_collator` stacks rows) ended a run in a traceback when its step came,
 hours in. A dataset whose lengths can be read cheaply (a `datasets.Dataset` with input_ids, a list of samples) is
-checked over every micro-batch of the run before training (`check_drawn_lengths`); any other at the step
-(`StageCollator`)."""
+checked over every micro-batch of the run before training (`check_drawn_lengths`, `CheckedBatchSampler`); any other
+at the step (`StageCollator`), in a DataLoader worker too (`DrawnBatchRefused`)."""
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,14 +50,16 @@ def _fix(stage_len: int) -> str:
 
 
 def check_drawn_lengths(sampler: StageBatchSampler, lengths: np.ndarray, dataset, collator) -> None:
-    """Before training, over every micro-batch the run draws on any rank (`sampler`'s order from step 0; `lengths`:
-    the tokens of each sample of `dataset`): refuse, naming the step, the samples and the fix, the first one whose rows
-    differ in length (samples shorter than their stage) that `collator` cannot batch; warn once with the count, per
-    stage, of the samples it draws that are shorter than it. The same on every rank: all refuse, or none."""
-    schedule, dims = sampler.schedule, sampler.dims
+    """Before training, over every micro-batch the run draws on any rank (`sampler`'s order from its first step, as it
+    iterates: from the first sample; `lengths`: the tokens of each sample of `dataset`): refuse, naming the step, the
+    samples and the fix, the first one whose rows differ in length (samples shorter than their stage) that `collator`
+    cannot batch; warn once with the count, per stage, of the samples it draws that are shorter than it. The same on
+    every rank: all refuse, or none."""
+    schedule, dims, first = sampler.schedule, sampler.dims, sampler.first_step()
     short, position, batch = {}, 0, sampler.batch_size
     ends = (*schedule.starts[1:], sampler.max_steps)
     for i, (stage, start) in enumerate(zip(schedule.stages, schedule.starts)):
+        start = max(start, first)
         steps, per_step = max(0, ends[i] - start), dims[i].dp_size * batch * sampler.grad_accum
         drawn = _drawn(sampler, position, steps * per_step)
         position += steps * per_step
@@ -104,20 +107,60 @@ def _try_collate(i: int, stage, step: int, indices: np.ndarray, dataset, collato
             ) from e
 
 
+class CheckedBatchSampler(StageBatchSampler):
+    """`StageBatchSampler` whose micro-batches, from its first step, are checked (`check_drawn_lengths` of `lengths`,
+    `dataset`, `collator`) by `check()` and, where that step changed since, as its iteration begins: a resume that
+    replays no batches (`ignore_data_skip`) draws them from its checkpoint's step, which the Trainer reads after it
+    built the loader, and from the first sample (a check from step 0 tested other micro-batches)."""
+
+    def __init__(self, *args, lengths: np.ndarray, dataset, collator, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lengths, self.dataset, self.collator, self.checked = lengths, dataset, collator, None
+
+    def check(self) -> None:
+        first = self.first_step()
+        if first != self.checked:
+            check_drawn_lengths(self, self.lengths, self.dataset, self.collator)
+            self.checked = first
+
+    def __iter__(self):
+        self.check()  # (in the main process, workers or not: it draws the indices)
+        return super().__iter__()
+
+
+class DrawnBatchRefused(ValueError):
+    """`StageCollator`'s refusal, the user's (`flag_errors`) by its type: a DataLoader worker's error reaches the main
+    process rebuilt from its type and text alone (torch's `ExceptionWrapper.reraise`: `type("Caught ... in DataLoader
+    worker process 0. Original Traceback ...")`), which lost the mark an instance carries; the refusal's own message,
+    the text's last, is taken back from it."""
+
+    hf_sparse_cp_flag_error = True  # (the mark `flag_errors` sets on an instance)
+
+    def __init__(self, message: str) -> None:
+        if message.startswith(f"Caught {type(self).__name__} "):
+            message = message.rpartition(f"{type(self).__qualname__}: ")[2].rstrip("\n")
+        super().__init__(message)
+
+
 class StageCollator:
     """The training loader's collator, of `(item, sample)` pairs (`StageBatchSampler` items and their cropped
     samples): a micro-batch whose rows differ in length that `collator` cannot batch is refused naming its samples
-    and the fix, and, where the lengths were not checked before training (`scanned` False), the first sample shorter
-    than its stage warned of once."""
+    and the fix (`DrawnBatchRefused`), and, where the lengths were not checked before training (`scanned` False), the
+    first sample shorter than its stage warned of once, by the first of the loader's worker processes to draw one."""
 
     def __init__(self, collator, scanned: bool) -> None:
-        self.collator, self.warn = collator, not scanned
+        # (a flag the workers share: each holds its own copy of this collator)
+        self.collator, self.warn = collator, None if scanned else multiprocessing.Value("b", True)
+
+    def _first_to_warn(self) -> bool:
+        with self.warn.get_lock():
+            first, self.warn.value = self.warn.value, False
+        return bool(first)
 
     def __call__(self, drawn: list[tuple[tuple[int, int], dict[str, Any]]]):
         items, rows = [item for item, _ in drawn], [row for _, row in drawn]
         lengths, seq_len = [sample_length(r) for r in rows], items[0][1]
-        if self.warn and min(lengths) < seq_len:
-            self.warn = False
+        if self.warn is not None and min(lengths) < seq_len and self._first_to_warn():
             logger.warning("cp_schedule: sample %d holds %d tokens, fewer than its stage's %d: it trains as a shorter "
                            "row (a stage never extends samples; this dataset's lengths could not be read before "
                            "training, and later such samples are not reported).",
@@ -127,11 +170,10 @@ class StageCollator:
         except Exception as e:
             if len(set(lengths)) < 2:
                 raise
-            with flag_errors((ValueError,)):
-                raise ValueError(
-                    f"cp_schedule: samples {[k for k, _ in items]} of the {seq_len}-token stage are rows of {lengths} "
-                    f"tokens (a stage crops samples to its length and never extends them), which the data collator "
-                    f"cannot batch ({type(e).__name__}: {e}): {_fix(seq_len)}.") from e
+            raise DrawnBatchRefused(
+                f"cp_schedule: samples {[k for k, _ in items]} of the {seq_len}-token stage are rows of {lengths} "
+                f"tokens (a stage crops samples to its length and never extends them), which the data collator "
+                f"cannot batch ({type(e).__name__}: {e}): {_fix(seq_len)}.") from e
 
 
 class DrawnSamples(torch.utils.data.Dataset):
@@ -149,7 +191,7 @@ class DrawnSamples(torch.utils.data.Dataset):
 
 def train_data_loader(trainer: Trainer, schedule: Schedule, dims: Sequence[ParallelDims]):
     """The run's training data loader: `StageSamples` in `StageBatchSampler` order over the stages of `schedule`
-    (`dims`: each stage's layout), their lengths checked (`check_row_lengths`, `check_drawn_lengths`), prepared
+    (`dims`: each stage's layout), their lengths checked (`check_row_lengths`, `CheckedBatchSampler`), prepared
     without further sharding (the sampler already gives this rank its own batches)."""
     args, dataset = trainer.args, trainer.train_dataset
     collator = trainer.data_collator
@@ -161,15 +203,18 @@ def train_data_loader(trainer: Trainer, schedule: Schedule, dims: Sequence[Paral
             raise ValueError("a cp_schedule needs a train_dataset with a length (a map-style dataset).")
     seed = None if args.train_sampling_strategy == "sequential" else (
         args.data_seed if args.data_seed is not None else args.seed)
-    # (the Trainer iterates the loader once its state is loaded: a resume's step is known then)
-    sampler = StageBatchSampler(schedule, dims, num_samples=len(dataset),
-                                batch_size=args.train_batch_size, grad_accum=args.gradient_accumulation_steps,
-                                max_steps=args.max_steps, seed=seed,
-                                first_step=lambda: trainer.state.global_step if args.ignore_data_skip else 0)
     lengths = sample_lengths(dataset)
     check_row_lengths(schedule, dataset, collator, args.train_batch_size, lengths)
-    if lengths is not None:
-        check_drawn_lengths(sampler, lengths, dataset, collator)
+    # (the Trainer iterates the loader once its state is loaded: a resume's step is known then)
+    options = dict(num_samples=len(dataset), batch_size=args.train_batch_size,
+                   grad_accum=args.gradient_accumulation_steps, max_steps=args.max_steps, seed=seed,
+                   first_step=lambda: trainer.state.global_step if args.ignore_data_skip else 0)
+    if lengths is None:
+        sampler = StageBatchSampler(schedule, dims, **options)
+    else:
+        sampler = CheckedBatchSampler(schedule, dims, lengths=lengths, dataset=dataset, collator=collator, **options)
+        if not args.ignore_data_skip:  # (it begins at step 0, a resume too: checked now, before the model is prepared)
+            sampler.check()
     loader = torch.utils.data.DataLoader(
         DrawnSamples(dataset), batch_sampler=sampler, collate_fn=StageCollator(collator, lengths is not None),
         num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,

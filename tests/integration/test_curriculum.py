@@ -6,6 +6,7 @@ middle stage; then FSDP2 over the 4 ranks (functional API) through CP and mode s
 process; and 2 processes through a CP switch, each step against one process on the samples it took, and on
 inputs_embeds as on their token ids."""
 
+import logging
 import os
 import re
 
@@ -617,7 +618,8 @@ def test_a_stage_added_after_the_checkpoint_resumes_as_the_extended_run_uninterr
 # ---- one process: what a stage trains, and what it leaves behind (issue #31) ----
 
 
-def _one_process(tmp_path, schedule: str, samples: list[dict], collator=None, batch: int = 1, max_steps: int = 2):
+def _one_process(tmp_path, schedule: str, samples: list[dict], collator=None, batch: int = 1, max_steps: int = 2,
+                 **extra):
     from transformers import AutoModelForCausalLM, default_data_collator
 
     from hf_sparse_cp.testing.tiny_models import tiny_config
@@ -625,7 +627,8 @@ def _one_process(tmp_path, schedule: str, samples: list[dict], collator=None, ba
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
-    args = _args(str(tmp_path), False, cp_schedule=schedule, max_steps=max_steps, per_device_train_batch_size=batch)
+    args = _args(str(tmp_path), False, cp_schedule=schedule, max_steps=max_steps, per_device_train_batch_size=batch,
+                 **extra)
     return SparseTrainer(model=model, args=args, train_dataset=samples, data_collator=collator or default_data_collator)
 
 
@@ -689,40 +692,51 @@ def _padding_collator(rows):
             "attention_mask": pad([torch.ones_like(r["input_ids"]) for r in rows], batch_first=True)}
 
 
-@pytest.mark.parametrize("scanned", [True, False])
-def test_a_later_sample_shorter_than_its_stage_beside_a_longer_one_is_refused_naming_it(tmp_path, scanned):
+@pytest.mark.parametrize("scanned, workers", [(True, 0), (False, 0), (False, 1)],
+                         ids=["scanned", "at_the_step", "at_the_step_in_a_worker"])
+def test_a_later_sample_shorter_than_its_stage_beside_a_longer_one_is_refused_naming_it(tmp_path, scanned, workers):
     """Only the first micro-batch of each stage was checked: a later 150-token sample beside a 256-token one in
     stage 1 ended the run when its step came (hours into a real one) in RuntimeError: stack expects each tensor to be
     equal size (default_data_collator). A list's lengths are read before training; a dataset's that cannot be read
-    are refused at the step, as the user's."""
+    are refused at the step, as the user's, in a DataLoader worker too (torch re-raised it in the main process as a
+    ValueError of the worker's traceback, not the user's: a launched run printed a traceback)."""
     from hf_sparse_cp.trainer.arguments import is_flag_error
 
     samples = _short_at(_stage_data(_samples(), 0, 8, 256), {3: 150})
-    trainer = _one_process(tmp_path, "0:128:1,1:256:1", samples if scanned else _Unscanned(samples), batch=2)
-    named = "step 1 draws samples [2, 3], rows of [256, 150] tokens" if scanned else (
-        "samples [2, 3] of the 256-token stage are rows of [256, 150] tokens")
-    with pytest.raises(ValueError, match=re.escape(named) + ".* which the data collator cannot batch .*RuntimeError: "
-                       "stack expects.*give a data collator that pads rows") as refused:
+    trainer = _one_process(tmp_path, "0:128:1,1:256:1", samples if scanned else _Unscanned(samples), batch=2,
+                           dataloader_num_workers=workers)
+    named = "cp_schedule stage 1 (1:256:1): step 1 draws samples [2, 3], rows of [256, 150] tokens" if scanned else (
+        "cp_schedule: samples [2, 3] of the 256-token stage are rows of [256, 150] tokens")
+    with pytest.raises(ValueError, match="^" + re.escape(named) + ".* which the data collator cannot batch "
+                       ".*RuntimeError: stack expects.*give a data collator that pads rows") as refused:
         trainer.train()
     assert is_flag_error(refused.value)
     # (before training; at the step: the loader fetches step 1's batch during step 0)
     assert trainer.state.global_step == 0
 
 
-@pytest.mark.parametrize("scanned", [True, False])
-def test_samples_shorter_than_their_stage_train_as_shorter_rows_warned_of_once(tmp_path, caplog, scanned):
+@pytest.mark.parametrize("scanned, workers", [(True, 0), (False, 0), (False, 2)],
+                         ids=["scanned", "at_the_step", "at_the_step_in_workers"])
+def test_samples_shorter_than_their_stage_train_as_shorter_rows_warned_of_once(tmp_path, scanned, workers):
     """TRL's packing leaves the last rows short: they train exactly as shorter rows (padded with the micro-batch where
     the collator pads), so they are counted in one warning, not refused (a strict check of every sample refused
-    such a dataset); before, nothing said so."""
+    such a dataset); before, nothing said so. Said once by the DataLoader workers too (it was once per worker)."""
     samples = _short_at(_stage_data(_samples(), 0, 8, 256), {3: 150, 5: 40, 6: 200})
     trainer = _one_process(tmp_path, "0:128:1,1:256:1", samples if scanned else _Unscanned(samples),
-                           _padding_collator, batch=2, max_steps=4)
-    with caplog.at_level("WARNING", logger="hf_sparse_cp.trainer.stage_loader"):
+                           _padding_collator, batch=2, max_steps=4, dataloader_num_workers=workers)
+    logger = logging.getLogger("hf_sparse_cp.trainer.stage_loader")
+    handler = logging.FileHandler(tmp_path / "warned.log")  # (the workers' records too: they inherit it)
+    logger.addHandler(handler)
+    try:
         trainer.train()
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
     assert trainer.state.global_step == 4
-    warned = [r.getMessage() for r in caplog.records if r.name == "hf_sparse_cp.trainer.stage_loader"]
+    warned = (tmp_path / "warned.log").read_text().splitlines()
     assert len(warned) == 1, warned
     assert ("stage 1 (1:256:1): 3 of the samples it draws, the shortest of 40 tokens" if scanned else
+            "tokens, fewer than its stage's 256" if workers else
             "sample 3 holds 150 tokens, fewer than its stage's 256") in warned[0]
 
 
@@ -739,6 +753,22 @@ def test_short_first_samples_train_where_the_lengths_are_read(tmp_path, caplog, 
     assert trainer.state.global_step == 3
     # (batch 1: sample 1 in stage 1; batch 2: sample 1 only in stage 0, cropped to 128 tokens)
     assert ("1 of the samples it draws" in caplog.text) == (batch == 1)
+
+
+def test_a_resume_that_replays_no_batches_checks_the_micro_batches_it_draws(tmp_path):
+    """The check before training walked the sampler from step 0: resumed at step 2 with --ignore_data_skip, the run
+    draws samples 0-3 again, now in the 256-token stage, where sample 3's 150 tokens beside sample 2's 256 cannot be
+    stacked: the check passed, and the resume trained on until step 3 was refused (hours in, in a real run)."""
+    from hf_sparse_cp.trainer.arguments import is_flag_error
+
+    samples = _short_at(_stage_data(_samples(), 0, 8, 256), {3: 150})
+    _one_process(tmp_path, "0:128:1,2:256:1", samples, batch=2, max_steps=5, save_strategy="steps",
+                 save_steps=2).train()
+    resumed = _one_process(tmp_path, "0:128:1,2:256:1", samples, batch=2, max_steps=5, ignore_data_skip=True)
+    named = "cp_schedule stage 1 (2:256:1): step 3 draws samples [2, 3], rows of [256, 150] tokens"
+    with pytest.raises(ValueError, match="^" + re.escape(named)) as refused:
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert is_flag_error(refused.value) and resumed.state.global_step == 2
 
 
 def test_the_samples_named_are_those_the_shuffled_order_draws_from_a_datasets_dataset(tmp_path):
