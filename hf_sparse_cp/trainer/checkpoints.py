@@ -418,15 +418,20 @@ def _smet_flags(saved: dict | None) -> str:
 
 
 def check_weights_fit(folder: Path, model: Any) -> None:
-    """Raise ValueError, naming a weight and both shapes, when the checkpoint `folder`'s `model.safetensors` holds a
-    weight of another shape than `model`'s of the same name: a checkpoint of another model, which the Trainer's load
-    refuses only with a traceback from every rank. (A checkpoint without that file, e.g. a PEFT adapter's, is left
-    to the Trainer.)"""
-    path = folder / "model.safetensors"
-    if not path.is_file():
+    """Raise ValueError, naming a weight and both shapes, when the checkpoint `folder`'s `model.safetensors` (or, under
+    FSDP with a sharded state dict type, its sharded state: `_fsdp_state`) holds a weight of another shape than
+    `model`'s of the same name: a checkpoint of another model (a PEFT model's: its base model, e.g. its vocabulary
+    resized otherwise), which the Trainer's load refuses only with a traceback from every rank. (A checkpoint without
+    them, e.g. a PEFT adapter's file, is left to the Trainer.)"""
+    path, state = folder / "model.safetensors", _fsdp_state(folder)
+    if path.is_file():
+        saved = _shapes(path)
+    elif state is not None:
+        saved = state[1]
+    else:
         return
     shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    for name, shape in _shapes(path).items():
+    for name, shape in saved.items():
         if name in shapes and shapes[name] != shape:
             raise ValueError(f"Checkpoint {str(folder)!r} was saved by another model: its {name} is "
                              f"{list(shape)}, this model's {list(shapes[name])}. Resume with the model it was "

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from hf_sparse_cp.resharding.checkpoint import save_sharded_state
 from hf_sparse_cp.resharding.resume import SHARDED_STATE, training_state
 from hf_sparse_cp.testing.tiny_models import tiny_config
-from hf_sparse_cp.trainer.checkpoints import check_adapter_fits
+from hf_sparse_cp.trainer.checkpoints import check_adapter_fits, check_weights_fit
 
 SAVED = {"target_modules": ["q_proj", "v_proj"], "r": 4}
 
@@ -143,3 +143,14 @@ def test_a_mixed_peft_model_resuming_the_whole_models_weights_is_refused(tmp_pat
     with pytest.raises(ValueError, match="holds the whole model's weights \\(model.safetensors\\) and no PEFT adapter"):
         check_adapter_fits(tmp_path, _model(SAVED, mixed=True))
     check_adapter_fits(tmp_path, _model())  # (the model it was saved by resumes it)
+
+
+def test_a_sharded_state_of_another_base_model_is_refused_as_another_models(tmp_path):
+    """A LoRA run's sharded state whose base model differs (its vocabulary resized otherwise) was refused as an adapter
+    of other settings, naming the run's own LoRA flags as the fix; then, its adapter's tensors alone compared, passed
+    to the Trainer's traceback. It is another model's, as a model.safetensors of other shapes is."""
+    _save_sharded_state(_model(SAVED, vocab=320), tmp_path)
+    with pytest.raises(ValueError, match="was saved by another model: its base_model.model.model.embed_tokens.weight "
+                                         "is \\[320, 128\\], this model's \\[\\d+, 128\\]"):
+        check_weights_fit(tmp_path, _model(SAVED))
+    check_weights_fit(tmp_path, _model(SAVED, vocab=320))
