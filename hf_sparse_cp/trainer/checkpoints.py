@@ -430,7 +430,9 @@ def check_weights_fit(folder: Path, model: Any) -> None:
         saved = state[1]
     else:
         return
-    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    adapters = set(getattr(model, "peft_config", ()))  # (an adapter's own tensors are `check_adapter_fits`'s)
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()
+              if not _is_adapter_tensor(name, adapters)}
     for name, shape in saved.items():
         if name in shapes and shapes[name] != shape:
             raise ValueError(f"Checkpoint {str(folder)!r} was saved by another model: its {name} is "

@@ -154,3 +154,4 @@ def test_a_sharded_state_of_another_base_model_is_refused_as_another_models(tmp_
                                          "is \\[320, 128\\], this model's \\[\\d+, 128\\]"):
         check_weights_fit(tmp_path, _model(SAVED))
     check_weights_fit(tmp_path, _model(SAVED, vocab=320))
+    check_weights_fit(tmp_path, _model({**SAVED, "r": 8}, vocab=320))  # (the adapter's: `check_adapter_fits`'s)
