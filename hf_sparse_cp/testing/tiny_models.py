@@ -298,8 +298,9 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
     an indexer's scoring heads (Kolibri's) the query heads of one key head; state-space heads (Mamba-2's) that split
     hidden_size * expand in heads of head_dim; a family that takes no full-attention layers (Kolibri): its sliding
     layers with a window no row reaches; a hybrid whose two layers would hold no attention: an
-    attention layer last, placed by its own fields (`_attention_placements`); a family with indexed-attention layers
-    (Kolibri 1.1's every fifth), which sparse_cp refuses: one last; a field the family's defaults leave
+    attention layer last, placed by its own fields (`_attention_placements`); a family whose models hold a layer
+    kind only every few layers (Kolibri 1.1's indexed every fifth, Llama 4's full every fourth): a layer of each
+    (`_with_every_layer_kind`); a field the family's defaults leave
     unset that its model needs: given (`_repaired_for_its_model`)); any field can be overridden. A field the
     architecture derives from others (Falcon's `head_dim`) is left to it; an override of one it derives otherwise is a
     ValueError that names it, and so is a config transformers refuses to build from these fields, and a type that
@@ -364,12 +365,15 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
         if placed:
             config, given = placed
             layer_types = _layer_kinds(config)
-    indexed = "indexed_attention"  # (`call_tokens.selects_keys_by_index`: sparse_cp refuses such layers)
-    if "layer_types" not in overrides and indexed not in layer_types and indexed in _default_layer_kinds(config_class):
-        # (Kolibri 1.1: an indexed-attention layer every fifth, none among two) the last layer indexed, so that the
-        # tiny model meets sparse_cp as the family's models do: refused, their indexer reading the model's own mask
-        given = {**given, "layer_types": [*layer_types[:-1], indexed]}
+    shared = getattr(config, "num_kv_shared_layers", 0)
+    if shared and "num_kv_shared_layers" not in overrides and shared >= config.num_hidden_layers:
+        # (Gemma 3n: the last 15 of its 35 layers reuse earlier layers' keys and values; of the tiny model's 2 layers,
+        # all would, none left to store them: transformers fails to build the model) half the layers share, a field
+        # given before layer kinds are chosen, which keep a layer of each kind that stores them
+        given = {**given, "num_kv_shared_layers": config.num_hidden_layers // 2}
         config = AutoConfig.for_model(model_type, **given)
+    windowless = getattr(config, "sliding_window", None) is None or unwindowed
+    config, given = _with_every_layer_kind(model_type, config_class, config, given, overrides, windowless)
     config, given = _repaired_for_its_model(model_type, config_class, config, given, overrides)
     layer_types = _layer_kinds(config) or layer_types
     no_window = config.sliding_window is None or unwindowed
@@ -399,11 +403,6 @@ def _tiny_config(model_type: str, vocab_size: int, overrides: dict) -> Pretraine
         # cannot make full attention, nor give a window of a million positions) the family's default window
         with contextlib.suppress(Exception):
             config = AutoConfig.for_model(model_type, **{**given, "sliding_window": config_class().sliding_window})
-    shared = getattr(config, "num_kv_shared_layers", 0)
-    if shared and "num_kv_shared_layers" not in overrides and shared >= config.num_hidden_layers:
-        # (Gemma 3n: the last 15 of its 35 layers reuse earlier layers' keys and values; of the tiny model's 2 layers,
-        # all would, none left to store them: transformers fails to build the model) half the layers share
-        config.num_kv_shared_layers = config.num_hidden_layers // 2
     for name in sorted(derived & set(overrides)):
         if getattr(config, name) != overrides[name]:
             raise ValueError(f"{model_type}: {name}={overrides[name]} cannot be set, {config_class.__name__} derives "
@@ -460,6 +459,116 @@ def _placed_attention(model_type: str, config_class: type, given: dict, override
             if len(kinds) == layers and _attends(kinds) and _model_builds(config):
                 return config, fields
     return None
+
+
+def _per_layer_fields(config: PretrainedConfig, layers: int) -> dict:
+    """name -> value of `config`'s fields that hold one entry per layer (lists of `layers` entries: layer_types,
+    Llama 4's no_rope_layers, DeepSeek-V4's mlp_layer_types), but for lists of layer indices (`_layer_indices`)."""
+    return {name: value for name, value in config.to_dict().items()
+            if isinstance(value, list) and len(value) == layers and not _layer_indices(value, layers)}
+
+
+def _layer_indices(value, layers: int) -> bool:
+    """Whether `value` may list layer indices among `layers` (Llama 4's moe_layers): increasing ints."""
+    return (isinstance(value, list) and all(type(i) is int for i in value) and value == sorted(set(value))
+            and all(0 <= i < layers for i in value))
+
+
+def _layer_references(value: list) -> bool:
+    """Whether per-layer `value` names a layer for each layer, its own or an earlier one (Kolibri 1.1's
+    kv_source_layers), rather than a flag (Llama 4's no_rope_layers)."""
+    return (all(type(v) is int and 0 <= v <= i for i, v in enumerate(value))
+            and any(v == i >= 2 for i, v in enumerate(value)))
+
+
+def _layer_kind_pairs(fields: dict, windowless: bool) -> set:
+    """(field, kind) of each string entry of `fields` (per-layer lists): the kinds of layer a config holds, sliding
+    attention counted as full where the tiny model gives no window (it makes those layers full, or gives them a
+    window no row reaches)."""
+    full = {"sliding_attention": "full_attention"} if windowless else {}
+    return {(name, full.get(kind, kind)) for name, value in fields.items() for kind in value if isinstance(kind, str)}
+
+
+def _tiny_per_layer_sizes(config: PretrainedConfig, given: dict) -> dict:
+    """{field: {layer: {name: value}}} for `config`'s fields that set sizes per layer (Dots 3 Note's
+    per_layer_config, its sliding layers' own), each size the tiny model gives (`given`) its tiny value; none where
+    none differs."""
+    sized = {}
+    for name, value in config.to_dict().items():
+        if isinstance(value, dict) and value and all(str(i).isdigit() and isinstance(entry, dict)
+                                                     for i, entry in value.items()):
+            tiny = {int(i): {key: given.get(key, size) for key, size in entry.items()} for i, entry in value.items()}
+            if tiny != {int(i): entry for i, entry in value.items()}:
+                sized[name] = tiny
+    return sized
+
+
+def _family_depth(config_class: type) -> int | None:
+    """The layer count of `config_class`'s defaults (a real model's), None where they do not build or hold none."""
+    try:
+        depth = getattr(config_class(), "num_hidden_layers", None)
+    except Exception:  # (defaults that do not build)
+        return None
+    return depth if type(depth) is int and depth > 0 else None
+
+
+def _with_every_layer_kind(model_type: str, config_class: type, config: PretrainedConfig, given: dict,
+                           overrides: dict, windowless: bool):
+    """(config, fields) whose layers hold each kind of layer the family's models hold (each value of their per-layer
+    string lists at the family's depth, `_family_depth`), where the tiny model's layers miss one: its layers are
+    those of the family's at the fewest indices that hold every kind (greedy: the earliest layer that adds most),
+    each per-layer field taken at those indices and index lists renumbered, at least as many layers as before.
+    (Kolibri 1.1 indexes every fifth layer, Llama 4 a full NoPE one every fourth between chunked ones, Inkling
+    attends globally every sixth, DeepSeek-V4 interleaves two compressions after two of one: none among two layers,
+    so a sweep met them as no such model is.) `config` as it is where a per-layer field or the layer count is
+    overridden, the family's depth is unknown, or the edited config or its model does not build."""
+    layers = getattr(config, "num_hidden_layers", None)
+    per_layer = _per_layer_fields(config, layers) if type(layers) is int else {}
+    held = _layer_kind_pairs(per_layer, windowless)
+    if not held or {*per_layer, "num_hidden_layers"} & set(overrides):
+        return config, given
+    depth = _family_depth(config_class)
+    if not depth:
+        return config, given
+    base = {name: value for name, value in given.items() if name not in per_layer or not isinstance(value, list)}
+    try:
+        deep = AutoConfig.for_model(model_type, **{**base, "num_hidden_layers": depth})
+    except Exception:  # (fields the family checks against its depth: left as it builds them)
+        return config, given
+    deep_fields = _per_layer_fields(deep, depth)
+    kinds_at = [_layer_kind_pairs({name: [value[i]] for name, value in deep_fields.items()}, windowless)
+                for i in range(depth)]
+    needed = set().union(*kinds_at)
+    if needed <= held:
+        return config, given
+    chosen = []
+    while needed:
+        index = max(range(depth), key=lambda i: (len(kinds_at[i] & needed), -i))
+        chosen.append(index)
+        needed -= kinds_at[index]
+    chosen = sorted(chosen)
+    while len(chosen) < layers:  # (the family's first layers that were not chosen)
+        chosen = sorted({*chosen, next(i for i in range(depth) if i not in chosen)})
+    edit = {name: [value[i] for i in chosen] for name, value in deep_fields.items()}
+    for name, value in deep_fields.items():
+        if "layer" in name and _layer_references(value):  # (Kolibri 1.1's kv_source_layers: a layer's own or an
+            if any(value[i] not in chosen for i in chosen):  # earlier one's keys, renumbered)
+                return config, given
+            edit[name] = [chosen.index(value[i]) for i in chosen]
+    edit.update({name: [j for j, i in enumerate(chosen) if i in value] for name, value in deep.to_dict().items()
+                 if "layer" in name and name not in given and _layer_indices(value, depth)})
+    fields = {**base, **edit, "num_hidden_layers": len(chosen)}
+    with contextlib.suppress(Exception):
+        edited = AutoConfig.for_model(model_type, **fields)
+        sized = _tiny_per_layer_sizes(edited, given)
+        if sized:  # (Dots 3 Note's sliding layers: 64 heads of 256 and ranks of 1024 by default, 40M parameters;
+            # its checks refuse the tiny sizes, which keep its two indexed layers)
+            fields.update(sized)
+            edited = AutoConfig.for_model(model_type, **fields)
+        if held <= _layer_kind_pairs(_per_layer_fields(edited, len(chosen)), windowless) and (
+                _model_builds(edited) or not _model_builds(config)):
+            return edited, fields  # (a model that builds only once later repairs apply: Inkling's window)
+    return config, given
 
 
 def _repaired_for_its_model(model_type: str, config_class: type, config: PretrainedConfig, given: dict,

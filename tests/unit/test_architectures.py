@@ -410,7 +410,8 @@ def test_the_tiny_model_of_a_composite_type_names_its_language_models_type(model
                                             r"sinks in a layer of type 'heavily_compressed_attention' \(it computes "
                                             r"them in full_attention, sliding_attention, chunked_attention layers\) "
                                             r"\(s_aux, model type 'deepseek_v4'\)",
-     r"mixes tokens outside attention \(layer type 'heavily_compressed_attention'"),
+     r"mixes tokens outside attention \(layer type 'compressed_sparse_attention', layer type "
+     r"'heavily_compressed_attention'"),
 ], ids=["deepseek_v4-compressed-sinks"])
 def test_an_attention_feature_the_backend_lacks_is_refused_at_the_switch_and_the_cp_check(model_type, overrides, cause,
                                                                                           cp_cause):
@@ -465,9 +466,7 @@ def test_a_model_with_indexed_attention_loaded_on_the_backend_is_refused_at_its_
     batch), naming no fix. Their mask is refused naming the fix; DeepSeek-V4, whose layers have an indexer of other
     types that reads no mask, still runs where its layers are plain attention. Kolibri 1.1, indexed every fifth layer
     and sliding between: its tiny model's two layers were both sliding, and ran (what no Kolibri 1.1 model does under
-    sparse_cp); its last layer is indexed now, as a hybrid's tiny model attends last."""
-    if model_type == "kolibri1_1":
-        assert tiny_config(model_type).layer_types == ["sliding_attention", "indexed_attention"]
+    sparse_cp); its last layer is indexed now (test_a_tiny_model_holds_each_layer_kind_of_its_family)."""
     hf_sparse_cp.patch()
     try:
         model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="sparse_cp")
@@ -585,6 +584,32 @@ def test_a_tiny_model_of_a_sliding_window_family_has_no_window_and_runs(model_ty
     ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0))
     assert model(input_ids=ids).logits.isfinite().all()
     assert "sliding_attention" in tiny_config(model_type, sliding_window=16).layer_types
+
+
+_KINDS = {"llama4_text": dict(layer_types=["chunked_attention", "full_attention"], no_rope_layers=[1, 0]),
+          "deepseek_v4": dict(layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+                              mlp_layer_types=["hash_moe", "moe"]),
+          "inkling_text": dict(layer_types=["hybrid_sliding", "hybrid"]),
+          "inkling2_loop_text": dict(layer_types=["hybrid_sliding", "hybrid"]),
+          "kolibri1_1": dict(layer_types=["sliding_attention", "indexed_attention"], kv_source_layers=[0, 1]),
+          "gemma3_text": dict(layer_types=["sliding_attention", "full_attention"])}
+
+
+@pytest.mark.parametrize("model_type", released_model_types(*_KINDS))
+def test_a_tiny_model_holds_each_layer_kind_of_its_family(model_type):
+    """A family whose models interleave layer kinds with a period beyond two (Llama 4: a full NoPE layer every fourth
+    between chunked ones; DeepSeek-V4: two heavily compressed layers, then compressions interleaved; Inkling: global
+    attention every sixth; Kolibri 1.1: indexed every fifth; Gemma 3 with a window: full every sixth) had a tiny
+    model of two layers of one kind, which the sweep met as no such model is. Its two layers are now the family's
+    at the first indices that hold each kind, every per-layer field taken there (Llama 4's full layer without RoPE,
+    Kolibri 1.1's key/value sources renumbered); an override of the layer count keeps the family's own first
+    layers."""
+    window = {"sliding_window": 16} if model_type == "gemma3_text" else {}
+    config = tiny_config(model_type, **window)
+    assert config.num_hidden_layers == 2
+    assert {name: getattr(config, name) for name in _KINDS[model_type]} == _KINDS[model_type]
+    assert len(set(tiny_config(model_type, num_hidden_layers=2, **window).layer_types)) == 1
+    AutoModelForCausalLM.from_config(config)(input_ids=torch.randint(3, 50, (1, 8)))
 
 
 @pytest.mark.parametrize("model_type", released_model_types("exaone_moe", "laguna", "exaone4", "kolibri1"))
