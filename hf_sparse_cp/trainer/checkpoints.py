@@ -423,10 +423,10 @@ def check_weights_fit(folder: Path, model: Any) -> None:
     `model`'s of the same name: a checkpoint of another model (a PEFT model's: its base model, e.g. its vocabulary
     resized otherwise), which the Trainer's load refuses only with a traceback from every rank. (A checkpoint without
     them, e.g. a PEFT adapter's file, is left to the Trainer.)"""
-    path, state = folder / "model.safetensors", _fsdp_state(folder)
+    path = folder / "model.safetensors"
     if path.is_file():
         saved = _shapes(path)
-    elif state is not None:
+    elif (state := _fsdp_state(folder)) is not None:
         saved = state[1]
     else:
         return
@@ -468,7 +468,8 @@ def check_adapter_fits(folder: Path, model: Any, marked: bool = True) -> None:
     # adapter; told from a resized vocabulary's embedding weights where it is no embedding)
     besides = [key for key in saved if key not in ours and key in base
                and where.name in (ADAPTER_SAFE_WEIGHTS_NAME, f"{FSDP_MODEL_NAME}_0")]
-    dropped = [key for key in besides if key not in _embedding_weights(model)]
+    embeddings = _embedding_weights(model)
+    dropped = [key for key in besides if key not in embeddings]
     saved = {key: shape for key, shape in saved.items() if key in ours or key not in base or key in dropped}
     differ = ([f"its {key} is not in this run's adapter" for key in saved if key not in ours]
               + [f"this run's {key} is not in it" for key in ours if key not in saved]
@@ -476,9 +477,10 @@ def check_adapter_fits(folder: Path, model: Any, marked: bool = True) -> None:
                  if key in ours and saved[key] != ours[key]])
     config_path = next((path / ADAPTER_CONFIG_NAME for path in (where.parent, folder)
                         if (path / ADAPTER_CONFIG_NAME).is_file()), None)
-    if config_path is not None:
+    saved_config = _saved_adapter_config(config_path) if config_path is not None else None
+    if saved_config is not None:
         # (a module to save that this run drops: the filter above keeps its saved copy out, named as the base's module)
-        modules = [sorted(set(c.get("modules_to_save") or ())) for c in (_saved_adapter_config(config_path),
+        modules = [sorted(set(c.get("modules_to_save") or ())) for c in (saved_config,
                                                                           model.peft_config[_adapter_name(model)]
                                                                           .to_dict())]
         if modules[0] != modules[1]:
@@ -486,17 +488,17 @@ def check_adapter_fits(folder: Path, model: Any, marked: bool = True) -> None:
     if not differ:
         return
     note = ""
-    if config_path is not None:
-        flags, settings = _adapter_flags(_saved_adapter_config(config_path)), str(config_path)
+    if saved_config is not None:
+        flags, settings = _adapter_flags(saved_config), str(config_path)
     else:  # (FSDP with a sharded state dict type saves no adapter_config.json: its tensors show the LoRA settings)
         shown = f"{where.relative_to(folder)}{'/' * where.is_dir()}"
         settings = _lora_settings(saved)
         settings["modules_to_save"] = sorted({*settings["modules_to_save"], *(key.split(".")[-2] for key in dropped)})
         flags, settings = _adapter_flags(settings), f"as its {shown} shows"
-        embeddings = sorted(set(besides) - set(dropped))
-        if embeddings:  # (a module to save, or a resized vocabulary's: its tensors do not tell)
-            note = (f"; its {', '.join(embeddings)} too: --lora_modules_to_save "
-                    f"{' '.join(key.split('.')[-2] for key in embeddings)} where it was a module to save")
+        saved_embeddings = sorted(set(besides) - set(dropped))
+        if saved_embeddings:  # (a module to save, or a resized vocabulary's: its tensors do not tell)
+            note = (f"; its {', '.join(saved_embeddings)} too: --lora_modules_to_save "
+                    f"{' '.join(key.split('.')[-2] for key in saved_embeddings)} where it was a module to save")
     raise ValueError(f"Checkpoint {str(folder)!r} holds a PEFT adapter with other tensors than this run's "
                      f"({len(differ)} differ; e.g. {differ[0]}): its optimizer state cannot continue this run's "
                      f"adapter. Resume with the adapter settings it was saved with ({settings}"

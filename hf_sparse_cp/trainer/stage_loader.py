@@ -43,6 +43,13 @@ def sample_lengths(dataset) -> np.ndarray | None:
     return np.concatenate(batches).astype(np.int64) if batches else np.zeros(0, dtype=np.int64)
 
 
+def _unbatchable(rows: str, lengths: list[int], seq_len: int, error: Exception) -> str:
+    """The refusal of a micro-batch (`rows`: which samples, of which stage, and their rows) whose rows of `lengths`
+    tokens the data collator could not batch (`error`), with the fix."""
+    return (f"{rows} of {lengths} tokens (a stage crops samples to its length and never extends them), which "
+            f"the data collator cannot batch ({type(error).__name__}: {error}): {_fix(seq_len)}.")
+
+
 def _fix(stage_len: int) -> str:
     return (f"give a data collator that pads rows (DataCollatorWithPadding, TRL's SFT collator), train one sample per "
             f"row (--per_device_train_batch_size 1, with --gradient_accumulation_steps for more), or leave out the "
@@ -100,11 +107,9 @@ def _try_collate(i: int, stage, step: int, indices: np.ndarray, dataset, collato
         collator(rows)
     except Exception as e:  # (any collator's: a stack of unequal rows is a RuntimeError)
         with flag_errors((ValueError,)):  # (the user's data: a launched run ends with the message alone)
-            raise ValueError(
-                f"cp_schedule stage {i} ({stage.text}): step {step} draws samples {[int(k) for k in indices]}, rows "
-                f"of {[sample_length(r) for r in rows]} tokens (a stage crops samples to its length and never "
-                f"extends them), which the data collator cannot batch ({type(e).__name__}: {e}): {_fix(stage.seq_len)}."
-            ) from e
+            raise ValueError(_unbatchable(
+                f"cp_schedule stage {i} ({stage.text}): step {step} draws samples {[int(k) for k in indices]}, rows",
+                [sample_length(r) for r in rows], stage.seq_len, e)) from e
 
 
 class CheckedBatchSampler(StageBatchSampler):
@@ -170,10 +175,9 @@ class StageCollator:
         except Exception as e:
             if len(set(lengths)) < 2:
                 raise
-            raise DrawnBatchRefused(
-                f"cp_schedule: samples {[k for k, _ in items]} of the {seq_len}-token stage are rows of {lengths} "
-                f"tokens (a stage crops samples to its length and never extends them), which the data collator "
-                f"cannot batch ({type(e).__name__}: {e}): {_fix(seq_len)}.") from e
+            raise DrawnBatchRefused(_unbatchable(
+                f"cp_schedule: samples {[k for k, _ in items]} of the {seq_len}-token stage are rows", lengths, seq_len,
+                e)) from e
 
 
 class DrawnSamples(torch.utils.data.Dataset):
