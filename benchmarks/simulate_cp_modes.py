@@ -140,8 +140,6 @@ def main(argv=None) -> dict:
     per_node = CLUSTERS[CLUSTER].gpus_per_node
     rows = []
     for seq in args.seq:
-        if seq % (2 * BLOCK * max(args.gpus)):
-            raise SystemExit(f"--seq {seq} must be a multiple of {2 * BLOCK * max(args.gpus)} (whole zigzag chunks).")
         workload = sequence_workload(args, seq)
         for model in args.models:
             for gpus in args.gpus:

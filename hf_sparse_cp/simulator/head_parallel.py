@@ -107,7 +107,7 @@ def predict_head_parallel_step(setup: RingSetup, model: ModelShape, hw: Hardware
         A dict like `predict_step`'s (step_s, tokens_per_s, per-layer seconds, comm_share, kept) plus the
         all-to-all seconds and bytes per layer (all_to_all_fwd_s, all_to_all_bwd_s, all_to_all_bytes_per_rank:
         the busiest rank's forward sends), the heads of the busiest rank, and kv_replication_bytes: the
-        whole group's extra K/V copies (bf16) for the sequence, per layer.
+        whole group's extra K/V copies (bf16) for the sequence as its split pads it, per layer.
     """
     if setup.plan.block_size != hw.block_size:
         raise ValueError(f"the calibration is for blocks of {hw.block_size} tokens, the plan uses "
@@ -161,6 +161,6 @@ def predict_head_parallel_step(setup: RingSetup, model: ModelShape, hw: Hardware
         "comm_share": 1.0 - ideal / total, "heads_per_rank": split.busiest, "kv_heads_per_rank": kv_local,
         "comm_bound": transfer_only > float(att["fwd"].compute.max()),
         "dense_layers": dense_layers, "dense_layers_attention_share": dense_share, "sliding_layers": sliding_layers,
-        "kv_replication_bytes": split.replicated_kv_bytes(setup.plan.seq_len, model.head_dim, ACTIVATION_BYTES),
-        "kept": float(setup.layout.kept_fraction()),
+        "kv_replication_bytes": split.replicated_kv_bytes(setup.plan.padded_len, model.head_dim, ACTIVATION_BYTES),
+        "kept": setup.kept_fraction(),
     }

@@ -240,6 +240,15 @@ class RingSetup:
     topology: RingTopology
     sparse: bool  # whether each layer estimates its layout (dense rings skip the estimation)
 
+    def kept_fraction(self) -> float:
+        """The layout's kept fraction over the query blocks that hold tokens of the row (`SparseLayout.kept_fraction`
+        without metadata over those): a split's padding blocks list nothing and are left out, so every split of a
+        row gives the fraction of its layout."""
+        plan = self.plan
+        real = (plan.source.view(-1, plan.block_size) >= 0).any(1)
+        layout = self.layout if bool(real.all()) else self.layout.select(real.nonzero().flatten())
+        return float(layout.kept_fraction())
+
 
 @dataclass(frozen=True)
 class Workload:

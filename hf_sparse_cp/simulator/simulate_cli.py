@@ -17,6 +17,8 @@ one `--density` at every length (MTraining reports 93.7% sparsity: 0.063), with 
 (MTraining's budget of 1000) and `--sink` sink tokens. On one sequence the planner splits it striped, as
 striped sparse does. The first `--dense-first-layers` layers (the plugin's default: 1) run the same ring over the causal
 layout without estimation, as the plugin runs them under CP; each row gives their share of the attention.
+A length off a split's grid is padded as training pads it, each configuration and CP size to its own grid, over
+the one layout drawn on the sequence's own blocks (the padding's blocks list nothing).
 
 Packed rows (`--mix long-tail|uniform|one`): each row of S tokens packs documents of a length mix
 of `hf_sparse_cp.simulator.workloads` (those of `benchmarks/cp_packing.py`), with per-document
@@ -97,6 +99,7 @@ from .workloads import (
     mix_lengths,
     packed_layout,
     random_vertical_slash_layout,
+    row_layouts,
     row_meta,
 )
 
@@ -125,8 +128,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add_cluster_arguments(p, default="8xH100-IB400")
     add_cp_mode_arguments(p)
     p.add_argument("--seq", type=at_least(1), nargs="+", default=[131072, 262144, 524288, 1048576],
-                   help="Sequence lengths in tokens (one sequence per CP group per step), each a multiple of 256 x "
-                   "the largest --cp (whole zigzag chunks of 128-token blocks); `memory`'s --seq-len is taken too.")
+                   help="Sequence lengths in tokens (one sequence per CP group per step); each configuration pads "
+                   "it to its split's grid as training does, the pattern drawn over the real tokens; `memory`'s "
+                   "--seq-len is taken too.")
     p.add_argument("--cp", type=at_least(1), nargs="+", default=[8, 16, 32, 64],
                    help="CP sizes: GPUs that split one sequence (training's --cp_size, which is taken too).")
     p.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGURATIONS),
@@ -193,11 +197,6 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
                         f"{flag}.")
     args.sparse_kernels = tuple(dict.fromkeys(args.sparse_kernels or (SPARSE_KERNELS if args.all else ("ours",))))
     _check_lengths(p, args.seq, args.layout_heads)
-    for seq in args.seq:
-        try:
-            check_chunks(seq, args.cp)
-        except ValueError as e:
-            p.error(str(e))
     for cp in args.cp:  # (the mode's refusals, named before any simulation)
         try:
             cp_layout(args, cp)
@@ -253,18 +252,6 @@ def _check_image_format(path: str) -> None:
                          f"{', '.join(sorted(formats))}).")
 
 
-def check_chunks(seq: int, cps: list[int]) -> None:
-    """ValueError naming the fix unless a sequence of `seq` tokens splits into whole zigzag chunks (2 per rank, of
-    whole blocks) at every CP size of `cps`: the grid of the dense ring's split (`ShardPlan.granularity`), the
-    coarsest. Training pads another length to its split's grid (`memory` predicts it so); the simulator's rows share
-    one layout per length, which splits that pad it unequally would not."""
-    unit = ShardPlan("zigzag", max(cps), BLOCK, seq).granularity
-    if seq % unit:
-        near = " or ".join(f"--seq {n}" for n in (seq // unit * unit, -(-seq // unit) * unit) if n)
-        raise ValueError(f"--seq {seq} must be a multiple of {unit} (whole zigzag chunks of {BLOCK}-token blocks at "
-                         f"--cp {max(cps)}): e.g. {near}. (Training pads it to its split's grid, and `hf-sparse-cp "
-                         "memory` predicts it padded; the simulator draws one layout per length for every split.)")
-
 def peak_bytes(seq: int, layout_heads: int) -> float:
     """The memory the command needs to simulate one sequence of `seq` tokens (`PEAK_BYTES_PER_BLOCK_PAIR`)."""
     per_pair = max(PEAK_BYTES_PER_BLOCK_PAIR, PEAK_BYTES_PER_BLOCK_PAIR_AND_HEAD * layout_heads)
@@ -307,54 +294,45 @@ def _read_curve(path: str) -> KeptCurve:
 
 
 def sequence_workload(args, seq: int) -> Workload:
-    """One sequence of `seq` tokens: the causal layout, and a random vertical-slash one (see the module docstring)."""
-    cache = {}
+    """One sequence of `seq` tokens: the causal layout, and a random vertical-slash one (see the module docstring),
+    each drawn once over the sequence's own blocks and padded to every split's grid (`row_layouts`)."""
     density = kept_target(args, seq).kept
+    meta = TokenMeta.contiguous(1, seq)
 
-    def layout(kind: str, plan, window: int | None = None) -> object:
+    def build(kind: str, plan, window: int | None) -> object:
         if not plan.keeps_order:
             raise ValueError("one sequence keeps its order under every split of it.")
-        if (kind, plan.padded_len, window) not in cache:
-            meta = TokenMeta.contiguous(1, seq).pad_to(plan.padded_len)
-            cache[kind, plan.padded_len, window] = dense_layout(meta, BLOCK, window) if kind == "dense" else \
-                random_vertical_slash_layout(1, args.layout_heads, seq, BLOCK,
-                                             num_diagonals=round(density * seq // BLOCK),
-                                             num_verticals=args.verticals, sink_tokens=args.sink,
-                                             diagonal_spread=args.spread, padded_len=plan.padded_len,
-                                             generator=torch.Generator().manual_seed(args.seed))
-        return cache[kind, plan.padded_len, window]
+        return dense_layout(meta.pad_to(plan.padded_len), BLOCK, window) if kind == "dense" else \
+            random_vertical_slash_layout(1, args.layout_heads, seq, BLOCK, num_diagonals=round(density * seq // BLOCK),
+                                         num_verticals=args.verticals, sink_tokens=args.sink,
+                                         diagonal_spread=args.spread, padded_len=plan.padded_len,
+                                         generator=torch.Generator().manual_seed(args.seed))
 
-    return Workload((seq,), ("sparse",), layout)
+    return Workload((seq,), ("sparse",), row_layouts(seq, BLOCK, build))
 
 
 def realized_kept(workload: Workload, seq: int) -> float:
     """The kept fraction of the sparse layout of `workload` (`sequence_workload`'s of `seq` tokens), the table's kept:
     the target's diagonals (`kept_target`) with the verticals and sink tokens on top. The layout is the one the rows
-    then read from the workload's cache: no split pads a length of whole zigzag chunks (`check_chunks`)."""
-    plan = ShardPlan("striped", 1, BLOCK, seq)  # (one sequence's layout is the same under every split of it)
+    then read from the workload's cache, over the sequence's own blocks (a split's padding blocks list nothing)."""
+    plan = ShardPlan("striped", 1, BLOCK, seq)  # (no split's padding: the sequence's own blocks)
     return float(workload.layout("sparse", plan).kept_fraction())
 
 
 def packed_workload(mix: str, seq: int, seed: int) -> Workload:
-    """A row of `seq` tokens packing documents of `mix` with cp_packing's per-document patterns."""
+    """A row of `seq` tokens packing documents of `mix` with cp_packing's per-document patterns (the block shardings
+    share the row's, padded to their grids: `row_layouts`)."""
     cfg = SparseAttentionConfig(block_size=BLOCK)
     lengths = mix_lengths(mix, seq, seed)
     meta = row_meta(lengths)
     scores = document_scores(lengths, seed)
     runs, kinds = row_runs(meta, cfg)
-    cache = {}
 
-    def layout(kind: str, plan, window: int | None = None) -> object:
-        key = (kind, plan.padded_len, window) if plan.keeps_order else None  # block shardings share the row's
-        if key in cache:
-            return cache[key]
-        out = dense_layout(plan.global_meta(meta), BLOCK, window) if kind == "dense" else \
+    def build(kind: str, plan, window: int | None) -> object:
+        return dense_layout(plan.global_meta(meta), BLOCK, window) if kind == "dense" else \
             packed_layout(plan, meta, cfg, scores)[0]
-        if key is not None:
-            cache[key] = out
-        return out
 
-    return Workload(tuple(runs), tuple(kinds), layout, kept_blocks_per_row(cfg))
+    return Workload(tuple(runs), tuple(kinds), row_layouts(seq, BLOCK, build), kept_blocks_per_row(cfg))
 
 
 def workload_for(args, seq: int, model: ModelShape) -> Workload:
@@ -379,7 +357,6 @@ def simulate(args, model_name: str, model: ModelShape, cluster: Cluster, hardwar
     window = next(iter(windows), None)
     rows = []
     for seq, workload in workloads:
-        check_chunks(seq, cps)  # (the command's are checked as it parses them)
         target = kept_target(args, seq) if args.mix is None else None
         for cp in cps:
             base = None

@@ -431,7 +431,7 @@ def predict_step(setup: RingSetup, model: ModelShape, hw: Hardware, cluster: Clu
         "ring_step_compute_ms": [1e3 * float(x) for x in fwd.step_compute],
         "ring_step_transfer_ms": [1e3 * float(x) for x in fwd.step_transfer],
         "forward_bytes_per_rank": float(traffic.total(False).double().mean()),
-        "kept": float(setup.layout.kept_fraction()),
+        "kept": setup.kept_fraction(),
         "dense_layers": dense_layers, "dense_layers_attention_share": dense_share, "sliding_layers": sliding_layers,
     }
 

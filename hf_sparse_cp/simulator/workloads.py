@@ -8,14 +8,18 @@ Mixes (lengths drawn with a fixed seed): long-tail (lognormal, median 8K, sigma 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..attention.build import build_layout, dense_layout
 from ..attention.estimate import layout_from_scores, long_documents
 from ..attention.layout import SparseLayout
 from ..attention.tokens import TokenMeta
 from ..config import SparseAttentionConfig
+from ..distributed.split.blocks import BlockSplit, ShardPlan
 
 MIXES = ("long-tail", "uniform", "one")
 
@@ -56,6 +60,43 @@ def random_vertical_slash_layout(
     picks = torch.rand(batch, heads, seq_len, generator=generator).argsort(-1)[..., :num_verticals]
     verticals.scatter_(-1, picks, True)
     return build_layout(meta, block_size, diagonals=diagonals, verticals=verticals)
+
+
+def row_layouts(seq: int, block_size: int,
+                build: Callable[[str, BlockSplit, int | None], SparseLayout]) -> Callable[..., SparseLayout]:
+    """`layout(kind, plan, window=None)` of a row of `seq` tokens for any split of it: `build(kind, plan, window)`
+    once per kind and window over the row's own blocks (a `ShardPlan` of one rank: no split's padding), then padded
+    to each order-keeping split's grid (`padded_to`), so that every CP size and sharding reads one drawing; a split
+    that reorders the row gets `build` over its own plan."""
+    own, cache = ShardPlan("contiguous", 1, block_size, seq), {}
+
+    def layout(kind: str, plan: BlockSplit, window: int | None = None) -> SparseLayout:
+        if not plan.keeps_order:
+            return build(kind, plan, window)
+        if (kind, window) not in cache:
+            cache[kind, window] = build(kind, own, window)
+        return padded_to(cache[kind, window], plan)
+
+    return layout
+
+
+def padded_to(layout: SparseLayout, plan: BlockSplit) -> SparseLayout:
+    """`layout`, over a row's own blocks in its order, as the global layout of `plan`, an order-keeping split that
+    may pad the row to its grid: the split's padding blocks appended as query blocks that list nothing, as training's
+    layout over the padded sequence has them (its estimation lists no padding key, and the split's padding queries
+    see nothing: `CPShard.padding_queries`). The same object where the split adds no block."""
+    extra = plan.num_blocks - layout.num_q_blocks
+    if extra < 0 or not plan.keeps_order or layout.block_size != plan.block_size:
+        raise ValueError(f"a layout of {layout.num_q_blocks} blocks of {layout.block_size} tokens is no row of the "
+                         f"split's {plan.num_blocks} blocks of {plan.block_size} in order: build it over the row.")
+    if not extra:
+        return layout
+
+    def pad(t: torch.Tensor, value: int) -> torch.Tensor:  # [B, H, NQB] or [B, H, NQB, slots]
+        return F.pad(t, (0, 0, 0, extra) if t.dim() == 4 else (0, extra), value=value)
+
+    return SparseLayout(pad(layout.block_idx, -1), pad(layout.block_cnt, 0), pad(layout.col_idx, -1),
+                        pad(layout.col_cnt, 0), layout.block_size)
 
 
 def mix_lengths(mix: str, row: int, seed: int) -> list[int]:

@@ -201,7 +201,8 @@ def test_the_header_states_the_target_and_the_realized_kept_fraction(tmp_path, m
 def test_each_lengths_sparse_layout_is_drawn_once_for_the_header_and_the_rows(tmp_path, monkeypatch, capsys):
     """The header's realized kept fraction drew each length's layout once more than the rows did (the same seed: the
     same numbers, twice the drawing): one draw per length now, the header's the rows' (every configuration and CP
-    size of a length reads it from the workload's cache)."""
+    size of a length reads it from the workload's cache); #50: so does a length that each split pads to its own grid
+    (20000), every sparse row's kept the row's."""
     from hf_sparse_cp.simulator import simulate_cli
 
     drawn = []
@@ -213,12 +214,12 @@ def test_each_lengths_sparse_layout_is_drawn_once_for_the_header_and_the_rows(tm
     draw = simulate_cli.random_vertical_slash_layout
     monkeypatch.setattr(simulate_cli, "random_vertical_slash_layout", counted)
     monkeypatch.chdir(tmp_path)
-    report = simulate_cli.main(["--seq", "16384", "32768", "--cp", "4", "8", "--no-mtraining", "--layout-heads", "1",
-                                "--all", "--json", "report.json"])
-    assert drawn == [16384, 32768]
+    report = simulate_cli.main(["--seq", "16384", "20000", "32768", "--cp", "4", "8", "--no-mtraining",
+                                "--layout-heads", "1", "--all", "--json", "report.json"])
+    assert drawn == [16384, 20000, 32768]
     header = capsys.readouterr().out.split(simulate_cli.HEADER)[0]
-    for seq in (16384, 32768):
-        (kept,) = {r["kept"] for r in report["rows"] if r["seq"] == seq and r["config"] == "striped sparse"}
+    for seq in (16384, 20000, 32768):
+        (kept,) = {r["kept"] for r in report["rows"] if r["seq"] == seq and r["config"] != "dense ring"}
         assert f"  {seq} tokens: kept target " in header and f", realized {kept:.3f}; " in header
 
 
@@ -352,27 +353,74 @@ def test_two_runs_of_one_simulate_command_write_the_same_report(tmp_path):
     assert reports[0] == reports[1]
 
 
-def test_simulate_and_memory_give_a_rank_the_same_tokens_and_simulate_names_training_s_padding(tmp_path,
-                                                                                                monkeypatch, capsys):
+def test_simulate_and_memory_give_a_rank_the_same_tokens_and_simulate_pads_as_training_does(tmp_path, monkeypatch):
     """`memory --seq-len 1000 --cp 3` answered where `simulate` refused; under zigzag they split the sequence apart
-    (memory 384 tokens a rank, training and simulate 512). One split now (`head_group_plan`): at a length of whole
-    chunks each rank's tokens in simulate's rows are memory's, and simulate's refusal of 1000 says that training pads
-    it and that memory predicts it so."""
+    (memory 384 tokens a rank, training and simulate 512). One split now (`head_group_plan`): each rank's tokens in
+    simulate's rows are memory's and training's split's (`ShardPlan.local_len`), at a length of whole chunks (1536)
+    and, #50, at one that each sharding and CP size pads to its own grid (1000 at CP 2, 3 and 4, which simulate
+    refused then), under the ring and under head groups."""
+    from hf_sparse_cp.distributed.split.blocks import head_group_plan
     from hf_sparse_cp.simulator import memory_cli, simulate_cli
 
     monkeypatch.chdir(tmp_path)
-    report = simulate_cli.main(["--model", "qwen2.5-0.5b", "--seq", "1536", "--cp", "3", "--configs", "dense ring",
-                                "zigzag sparse", "striped sparse", "--no-mtraining", "--layout-heads", "1", "--json",
-                                "simulate.json"])
-    for config, sharding in (("dense ring", "zigzag"), ("zigzag sparse", "zigzag"), ("striped sparse", "striped")):
-        memory_cli.main(["--model", "qwen2.5-0.5b", "--seq-len", "1536", "--cp", "3", "--cp_sharding", sharding,
-                         "--quiet", "--json", "memory.json"])
-        tokens = json.loads((tmp_path / "memory.json").read_text())["lengths"]["1536"]["tokens_per_rank"]
-        (row,) = [r for r in report["rows"] if r["config"] == config]
-        assert [blocks * simulate_cli.BLOCK for blocks in row["local_blocks"]] == [tokens] * 3 == [512] * 3
+    for seq, cps, mode in (("1536", ["3"], []), ("1000", ["2", "3"], []),
+                           ("1000", ["2", "4"], ["--cp_mode", "hybrid", "--cp_ulysses_size", "2"])):
+        report = simulate_cli.main(["--model", "qwen2.5-0.5b", "--seq", seq, "--cp", *cps, "--configs", "dense ring",
+                                    "zigzag sparse", "striped sparse", "--no-mtraining", "--layout-heads", "1",
+                                    "--json", "simulate.json", *mode])
+        for cp in map(int, cps):
+            for config, sharding in (("dense ring", "zigzag"), ("zigzag sparse", "zigzag"),
+                                     ("striped sparse", "striped")):
+                rows = [r for r in report["rows"] if r["config"] == config and r["cp"] == cp]
+                if not rows:  # (a sharding the mode does not run: ulysses holds the whole sequence)
+                    continue
+                (row,) = rows
+                head_size = row["head_size"]  # (the dense ring stays the ring, every mode's baseline)
+                memory_cli.main(["--model", "qwen2.5-0.5b", "--seq-len", seq, "--cp", str(cp), "--cp_sharding",
+                                 sharding, "--quiet", "--json", "memory.json", *(mode if head_size > 1 else [])])
+                tokens = json.loads((tmp_path / "memory.json").read_text())["lengths"][seq]["tokens_per_rank"]
+                local = head_group_plan(sharding, cp, head_size, simulate_cli.BLOCK, int(seq)).local_len // head_size
+                assert [b * simulate_cli.BLOCK // head_size for b in row["local_blocks"]] == \
+                    [local] * (cp // head_size) == [tokens] * (cp // head_size), (seq, cp, config)
+                assert row["tokens_per_s"] == pytest.approx(int(seq) / row["step_s"])  # (the real tokens)
+
+
+@pytest.mark.parametrize("mode", [[], ["--cp_mode", "hybrid", "--cp_ulysses_size", "2"]], ids=["ring", "hybrid"])
+def test_lengths_on_every_splits_grid_are_predicted_as_before_layouts_were_padded(mode, capsys):
+    """#50 gives every split the row's layouts padded to its grid; at lengths that every split holds unpadded the rows
+    are those of the layouts drawn for each split's padded length, as `simulate` drew them before."""
+    from dataclasses import replace
+
+    import torch
+
+    from hf_sparse_cp.attention.build import dense_layout
+    from hf_sparse_cp.attention.tokens import TokenMeta
+    from hf_sparse_cp.simulator import simulate_cli
+    from hf_sparse_cp.simulator.arguments import cluster_of
+    from hf_sparse_cp.simulator.shapes import MODELS
+
+    args = simulate_cli.parse_args(["--model", "qwen2.5-0.5b", "--seq", "8192", "16384", "--cp", "4", "8", "--all",
+                                    "--no-mtraining", "--layout-heads", "2", *mode])
+    model = MODELS["qwen2.5-0.5b"]
+
+    def drawn_per_split(seq: int):  # (before #50: each split's layouts built over its padded length)
+        density = simulate_cli.kept_target(args, seq).kept
+
+        def layout(kind, plan, window=None):
+            meta, bs = TokenMeta.contiguous(1, seq).pad_to(plan.padded_len), simulate_cli.BLOCK
+            return dense_layout(meta, bs, window) if kind == "dense" else simulate_cli.random_vertical_slash_layout(
+                1, args.layout_heads, seq, bs, num_diagonals=round(density * seq // bs), num_verticals=args.verticals,
+                sink_tokens=args.sink, diagonal_spread=args.spread, padded_len=plan.padded_len,
+                generator=torch.Generator().manual_seed(args.seed))
+
+        return replace(simulate_cli.workload_for(args, seq, model), layout=layout)
+
+    def rows(workload_of):
+        cluster, hardware_of = cluster_of(args)
+        return simulate_cli.simulate(args, "qwen2.5-0.5b", model, cluster, hardware_of,
+                                     [(seq, workload_of(seq)) for seq in args.seq], args.cp, args.configs,
+                                     args.dense_kernel, args.sparse_kernels)
+
+    now = rows(lambda seq: simulate_cli.workload_for(args, seq, model))
+    assert len(now) > 8 and now == rows(drawn_per_split)
     capsys.readouterr()
-    with pytest.raises(SystemExit):
-        simulate_cli.main(["--seq", "1000", "--cp", "3", "--no-mtraining"])
-    assert ("--seq 1000 must be a multiple of 768 (whole zigzag chunks of 128-token blocks at --cp 3): e.g. --seq 768 "
-            "or --seq 1536. (Training pads it to its split's grid, and `hf-sparse-cp memory` predicts it padded"
-            in capsys.readouterr().err)

@@ -44,7 +44,7 @@ from hf_sparse_cp.simulator.step_model import (
     with_causal_layout,
 )
 from hf_sparse_cp.simulator.traffic import COLUMNS, PlanTraffic, column_rows, plan_traffic, ring_cost
-from hf_sparse_cp.simulator.workloads import random_vertical_slash_layout
+from hf_sparse_cp.simulator.workloads import padded_to, random_vertical_slash_layout
 
 S, BS = 2048, 32
 
@@ -74,7 +74,33 @@ def _split(sharding, w, seed=0):
 @pytest.mark.parametrize("sharding,shape", RINGS, ids=[f"{s}-{n}x{l}" for s, (n, l) in RINGS])
 def test_work_equals_the_ring_plans_step_layouts(sharding, shape):
     topo = RingTopology(*shape)
-    plan, layout, meta = _split(sharding, topo.size)
+    _assert_work_is_the_ring_plans(*_split(sharding, topo.size), topo)
+
+
+BLOCK_RINGS = [r for r in RINGS if r[0] != "document"]
+
+
+@pytest.mark.parametrize("sharding,shape", BLOCK_RINGS, ids=[f"{s}-{n}x{l}" for s, (n, l) in BLOCK_RINGS])
+def test_a_row_off_the_splits_grid_runs_the_ring_plans_of_training_s_padded_shards(sharding, shape):
+    """#50: a row of 1800 tokens (57 blocks; each split's grid pads it, to 60 or 64): its layout, drawn over the row and
+    padded to the split's grid (`padded_to`, what `simulate` gives each split), gives the work the ring plans of
+    training's padded shards run (`RingPlan` over the padded sequence), every rank a shard of the split's local_len,
+    and the row's kept fraction (the padding's query blocks left out)."""
+    topo, seq = RingTopology(*shape), 1800
+    plan = ShardPlan(sharding, topo.size, BS, seq)
+    row = random_vertical_slash_layout(1, 3, seq, BS, num_diagonals=6, num_verticals=40, sink_tokens=8,
+                                       generator=torch.Generator().manual_seed(0))
+    layout, real = padded_to(row, plan), row.num_q_blocks
+    assert real == 57 and plan.num_blocks in (60, 64) and layout.num_q_blocks == plan.num_blocks
+    assert not layout.block_cnt[:, :, real:].any() and not layout.col_cnt[:, :, real:].any()
+    assert all(torch.equal(a[:, :, :real], b) for a, b in zip(layout.tensors(), row.tensors(), strict=True))
+    _assert_work_is_the_ring_plans(plan, layout, TokenMeta.contiguous(1, seq).pad_to(plan.padded_len), topo)
+    setup = RingSetup(layout, plan, topo, True)
+    assert [b.numel() * BS for b in plan.rank_blocks] == [plan.local_len] * topo.size
+    assert setup.kept_fraction() == float(row.kept_fraction()) != float(layout.kept_fraction())
+
+
+def _assert_work_is_the_ring_plans(plan, layout, meta, topo):
     work = plan_work(layout, plan, topo)
     for p in range(topo.size):
         ring_plan = RingPlan(layout, plan, meta, topo, p)
@@ -475,10 +501,50 @@ def test_a_cp_mode_at_cp_1_is_refused_by_simulate_and_memory_alike(capsys, comma
         main([*argv, "--cp", "1", "--cp_mode", "ring"])  # (no SystemExit: answered)
 
 
+@pytest.mark.parametrize("mix", [None, "long-tail"])
+def test_every_split_of_an_off_grid_length_reads_the_rows_layouts_padded_to_its_grid(mix, monkeypatch):
+    """#50: `simulate` refused a length off its splits' grid (one layout per length for every split). Now every split
+    (each block sharding at CP 2, 3 and 8, the head groups of hybrid and ulysses) reads the row's layouts built once
+    over its own blocks and padded to the split's grid: the causal and packed ones equal to what training builds over
+    its padded sequence, the sparse one drawn once for all of them, each split's kept fraction the row's."""
+    from hf_sparse_cp.distributed.split.blocks import SHARDINGS, head_group_plan
+    from hf_sparse_cp.simulator import simulate_cli
+    from hf_sparse_cp.simulator.workloads import document_scores, mix_lengths, packed_layout, row_meta
+
+    seq, block = 20000, simulate_cli.BLOCK
+    drawn, draw = [], simulate_cli.random_vertical_slash_layout
+    monkeypatch.setattr(simulate_cli, "random_vertical_slash_layout",
+                        lambda *a, **kw: drawn.append(a[2]) or draw(*a, **kw))
+    args = simulate_cli.parse_args(["--seq", str(seq), "--cp", "2", "3", "8", "--layout-heads", "2"]
+                                   + (["--mix", mix] if mix else []))
+    workload = simulate_cli.workload_for(args, seq, MODELS["qwen2.5-0.5b"])
+    lengths = mix_lengths(mix, seq, args.seed) if mix else [seq]
+    meta, cfg = row_meta(lengths), SparseAttentionConfig(block_size=block)
+    plans = [ShardPlan(sh, cp, block, seq) for sh in SHARDINGS for cp in (2, 3, 8)] + [
+        head_group_plan("striped", 8, size, block, seq) for size in (2, 8)]
+    own = ShardPlan("contiguous", 1, block, seq)  # (the row's own blocks: no split's padding)
+    assert len({p.padded_len for p in plans}) == 4 and all(p.num_blocks > own.num_blocks for p in plans)
+    row = workload.layout("sparse", own)
+    for plan in plans:
+        for kind, window in (("dense", None), ("dense", 1000), ("sparse", None)):
+            layout = workload.layout(kind, plan, window)
+            if kind == "dense" or mix:  # (what training builds over the padded sequence)
+                want = dense_layout(plan.global_meta(meta), block, window) if kind == "dense" else \
+                    packed_layout(plan, meta, cfg, document_scores(lengths, args.seed))[0]
+            else:  # (the row's one drawing, then the padding's query blocks, which list nothing)
+                n = own.num_blocks
+                assert not layout.block_cnt[:, :, n:].any() and not layout.col_cnt[:, :, n:].any()
+                layout, want = layout.select(torch.arange(n)), row
+            assert all(torch.equal(a, b) for a, b in zip(layout.tensors(), want.tensors(), strict=True)), (plan, kind)
+        setup = RingSetup(workload.layout("sparse", plan), plan, RingTopology(1, plan.cp_size), True)
+        assert setup.kept_fraction() == float(row.kept_fraction())
+    assert drawn == ([] if mix else [seq])
+
+
 def test_every_argument_is_checked_before_anything_prints_and_refused_as_argparse_refuses(capsys, tmp_path):
-    """`simulate --seq 1000 --cp 2` printed the header rows, then its refusal without `error:`, exit status 1: now
-    every argument the command can check is checked first, and refused as argparse refuses a flag (prog: error:
-    MESSAGE, exit status 2), nothing printed to stdout."""
+    """`simulate --seq 1000 --cp 2` printed the header rows, then its refusal without `error:`, exit status 1 (#50:
+    such a length is answered now, padded as training pads it): every argument the command can check is checked
+    first, and refused as argparse refuses a flag (prog: error: MESSAGE, exit status 2), nothing printed to stdout."""
     from hf_sparse_cp import cli
     from hf_sparse_cp.simulator import simulate_cli
 
@@ -491,11 +557,6 @@ def test_every_argument_is_checked_before_anything_prints_and_refused_as_argpars
          f"--png {tmp_path / 'a_file' / 'x.png'}: {tmp_path / 'a_file'} is a file, not a folder"),
         (["--seq", "8192", "--cp", "2", "--json", str(tmp_path)], f"--json {tmp_path} is a folder; give the path of a "
                                                                   "file"),
-        (["--seq", "1000", "--cp", "2"], "--seq 1000 must be a multiple of 512 (whole zigzag chunks of 128-token "
-                                         "blocks at --cp 2): e.g. --seq 512 or --seq 1024. (Training pads it"),
-        (["--seq", "8192", "65000", "--cp", "2", "32"],
-         "--seq 65000 must be a multiple of 8192 (whole zigzag chunks of 128-token blocks at --cp 32): e.g. "
-         "--seq 57344 or --seq 65536. (Training pads it"),
         (["--model", "qwen2.5-0.5b", "--seq", "65536", "--cp", "64", "--cp_mode", "ulysses"],
          "--cp 64 --cp_mode ulysses: a head-parallel degree of 64 needs at least 64 query heads"),
         # more dense first layers than the model has: a traceback after the first rows of the table, before
@@ -514,10 +575,10 @@ def test_every_argument_is_checked_before_anything_prints_and_refused_as_argpars
         assert refused.value.code == 2 and out == "", argv
         assert f"hf-sparse-cp simulate: error: {message}" in err and "Traceback" not in err, err
     with pytest.raises(SystemExit) as refused:  # the command line's path
-        cli.main(["simulate", "--seq", "1000", "--cp", "2"])
+        cli.main(["simulate", "--model", "qwen2.5-0.5b", "--seq", "1000", "--cp", "2", "--dense-first-layers", "25"])
     out, err = capsys.readouterr()
     assert refused.value.code == 2 and out == ""
-    assert "usage: hf-sparse-cp simulate" in err and "hf-sparse-cp simulate: error: --seq 1000 must be" in err
+    assert "usage: hf-sparse-cp simulate" in err and "hf-sparse-cp simulate: error: --dense-first-layers 25" in err
 
 
 @pytest.mark.parametrize("command", ["memory", "simulate"])

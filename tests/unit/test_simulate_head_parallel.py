@@ -52,6 +52,23 @@ def test_replicated_kv_heads_are_sent_once_per_copy():
     assert HeadSplit(8, 2, 8).replicated_kv_bytes(tokens, d, ACTIVATION_BYTES) == 2 * 6 * tokens * d * 2
 
 
+def test_a_length_off_the_grid_is_charged_as_its_split_pads_it():
+    """#50: at a length the head groups' split pads (10000 tokens in 8 pieces of whole blocks: 10240), the all-to-alls
+    carry each rank's padded piece and the replicated K/V heads the padded sequence, as training's tensors hold them;
+    tokens/s counts the sequence's own tokens."""
+    model, hw, cluster, seq = MODELS["qwen2.5-3b"], HARDWARE["8xH100-IB400"](), CLUSTERS["8xH100-IB400"], 10000
+    workload = Workload((seq,), ("sparse",), lambda kind, plan: dense_layout(TokenMeta.contiguous(1, seq).pad_to(
+        plan.padded_len), BS))
+    setup = head_parallel_setup(workload, 8, 8, BS, "dense")
+    assert setup.plan.padded_len == 10240
+    r = predict_head_parallel_step(setup, model, hw, cluster, head_size=8)
+    split = HeadSplit(model.heads, model.kv_heads, 8)
+    assert r["kv_replication_bytes"] == split.replicated_kv_bytes(10240, model.head_dim, ACTIVATION_BYTES) > 0
+    sent = exchange_bytes(split, 10240 // 8, model.head_dim)
+    assert r["all_to_all_bytes_per_rank"] == sent["to_heads"] + sent["to_sequence"]
+    assert r["tokens_per_s"] == pytest.approx(seq / r["step_s"])
+
+
 def test_ulysses_on_one_node_is_the_whole_sequence_of_its_heads_plus_the_all_to_alls():
     model, hw, cluster = MODELS["qwen2.5-3b"], HARDWARE["8xH100-IB400"](), CLUSTERS["8xH100-IB400"]
     workload = _dense_workload()
