@@ -798,6 +798,26 @@ def test_a_length_off_the_split_grid_is_predicted_padded_as_training_and_simulat
     assert json.loads(out.read_text())["lengths"][str(seq)]["tokens_per_rank"] == tokens == plan.local_len // head_size
 
 
+@pytest.mark.parametrize("sharding, cp, head_size", [("striped", 3, 1), ("zigzag", 3, 1), ("zigzag", 6, 2)])
+def test_the_ring_builds_its_layout_over_the_sequence_as_its_split_pads_it(sharding, cp, head_size):
+    """#50: under the ring every rank builds the global layout over the sequence as its split pads it
+    ([heads, plan.num_blocks], `estimate_cp` over the shard's padded `TokenMeta`) beside the kept flags over its
+    padded length; the geometry counted the blocks and tokens of the unpadded length. A length off the split's grid
+    now builds what its padded length builds (a budget that bounds the layout's width, one set of scores: nothing
+    else of the construction depends on the length)."""
+    from hf_sparse_cp.distributed.split.blocks import head_group_plan
+    from hf_sparse_cp.simulator.memory_model.attention_geometry import attention_geometry
+    from hf_sparse_cp.simulator.memory_model.settings import padded_tokens, rank_tokens
+
+    arch, seq = PRESETS["qwen2.5-0.5b"], 10000
+    s = StepSettings(cp=cp, head_size=head_size, sharding=sharding, pattern=PATTERN)
+    padded = head_group_plan(sharding, cp, head_size, PATTERN.block_size, seq).padded_len
+    assert padded_tokens(seq, s) == padded > seq and rank_tokens(padded, s) == rank_tokens(seq, s)
+    tokens, heads = rank_tokens(seq, s) * head_size, arch.shape.heads // head_size
+    at = {n: attention_geometry(arch, s, n, tokens, heads, ring=True) for n in (seq, padded)}
+    assert at[seq].construction == at[padded].construction and at[seq].construction[0] > 0
+
+
 def test_document_sharding_is_predicted_at_the_planners_token_cap(capsys):
     """Under --cp_sharding document the busiest rank may hold up to the planner's cap (1.25x the mean of the blocks,
     plus one block; the planner keeps it: tests/distributed/test_cp_documents.py), which the prediction sizes the

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ...attention import build, estimate, reference, scoring
 from ...config import SparseAttentionConfig
 from .architecture import Architecture
-from .settings import StepSettings
+from .settings import StepSettings, padded_tokens
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,10 @@ def attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, tokens
     `estimate.pattern_documents`, `build.dense_layout`)."""
     cfg, sh = s.pattern, arch.shape
     bs, hq = cfg.block_size, heads
+    # the row's blocks (what a query block may list: no padding key) and, under the ring, the tokens of the sequence as
+    # its split pads it, over which every rank builds the global layout and holds the estimation's kept flags
     nqb_global, nqb = math.ceil(seq_len / bs), math.ceil(tokens / bs)
+    held = padded_tokens(seq_len, s) if ring else tokens
     sparse = estimates_sparse(s, seq_len, window)
     if sparse:
         window = math.ceil((cfg.local_window - 1) / bs) + 1
@@ -106,9 +109,9 @@ def attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, tokens
         # the build, over the whole sequence under the ring (every rank builds the one-process layout:
         # distributed/ring/estimation.py), counted per token of this call; beside it the kept flags of every
         # set (bool [2, heads, sets, S], over the whole sequence on every rank) that it is built from
-        built = nqb_global if ring else nqb
+        built = math.ceil(held / bs)
         per_token, constant = layout_construction_bytes(hq, built, width, cols, bs, sets)
-        construction = ((per_token * built * bs + 2 * hq * sets * seq_len) / tokens if ring else per_token
+        construction = ((per_token * built * bs + 2 * hq * sets * held) / tokens if ring else per_token
                         + 2 * hq * sets, constant)
     estimation = (0.0, 0.0)
     if sparse:
@@ -123,8 +126,8 @@ def attention_geometry(arch: Architecture, s: StepSettings, seq_len: int, tokens
             # over every set's offsets (int64), which every rank holds twice while it packs their diagonals for the
             # reduce-scatter (the sums and the rank-major send buffer), and the kept flags of every set over the
             # whole sequence
-            cp = seq_len / tokens
-            per_token = (heads * (8 * offsets / cp + 2 * 8 * offsets + 2 * sets * seq_len)) / tokens
+            cp = held / tokens  # (the ring's ranks)
+            per_token = (heads * (8 * offsets / cp + 2 * 8 * offsets + 2 * sets * held)) / tokens
         else:
             per_token = heads * (8 * 2 + 2) * sets
         per_token += cfg.scoring.last_q

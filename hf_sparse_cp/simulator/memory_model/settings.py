@@ -1,5 +1,6 @@
 """How a training step runs, as its memory depends on it besides the model and the length (`StepSettings`), and
-the tokens of the busiest rank it gives (`rank_tokens`)."""
+the tokens of the busiest rank it gives (`rank_tokens`) and of the whole sequence as its split pads it
+(`padded_tokens`)."""
 
 from __future__ import annotations
 
@@ -113,12 +114,24 @@ def with_savers(settings: StepSettings, **changes) -> StepSettings:
 
 def rank_tokens(seq_len: int, s: StepSettings) -> int:
     """The tokens of the busiest rank: the sequence itself on one rank, a block sharding's equal share of the
-    sequence padded to its grid (`head_group_plan`, the split training runs and `simulate` costs), or the document
-    planner's token cap (`max_token_ratio`)."""
+    sequence padded to its grid (`padded_tokens`), or the document planner's token cap (`max_token_ratio`)."""
+    if s.cp == 1:
+        return seq_len
+    if s.max_token_ratio is None:
+        return padded_tokens(seq_len, s) // s.cp
+    bs = s.pattern.block_size
+    blocks = math.ceil(seq_len / bs)
+    return min(blocks, math.floor(s.max_token_ratio * blocks / s.cp) + 1) * bs
+
+
+def padded_tokens(seq_len: int, s: StepSettings) -> int:
+    """The tokens of the whole sequence as training holds it under CP, the length of the ring's global layout and of
+    the estimation's flags over the sequence: padded to a block sharding's grid (`head_group_plan`, the split training
+    runs and `simulate` costs), to whole blocks by the document planner (one sequence: its ragged split pads its last
+    block only); unpadded on one rank."""
     if s.cp == 1:
         return seq_len
     bs = s.pattern.block_size
     if s.max_token_ratio is None:
-        return head_group_plan(s.sharding, s.cp, s.head_size, bs, seq_len).local_len // s.head_size
-    blocks = math.ceil(seq_len / bs)
-    return min(blocks, math.floor(s.max_token_ratio * blocks / s.cp) + 1) * bs
+        return head_group_plan(s.sharding, s.cp, s.head_size, bs, seq_len).padded_len
+    return math.ceil(seq_len / bs) * bs
