@@ -58,6 +58,7 @@ from transformers.utils import (
 from ..checkpoint_marker import MARKER, newest_complete_checkpoint, read_marker
 from ..distributed import ParallelDims
 from ..integration import compat, compat_checks
+from ..integration.adapters import has_adapter
 from ..integration.architectures import transformers_release
 from ..integration.patching import PatchSet, temporarily
 from ..resharding.checkpoint import read_layout
@@ -456,7 +457,7 @@ def check_adapter_fits(folder: Path, model: Any, marked: bool = True) -> None:
     groups), an adapter and no whole model resumed by a model without one (the Trainer looks for a sharded model);
     under FSDP with a sharded state dict type, which saves neither, a sharded state (the plugin's, or accelerate's
     distributed checkpoint) of such other parameters (its load fails on a KeyError or a missing key)."""
-    adapter = _has_adapter(model)
+    adapter = has_adapter(model)
     if marked:
         _check_peft_kept(folder, model, adapter)
     found = _saved_tensors(folder, model) if adapter else None
@@ -503,18 +504,6 @@ def check_adapter_fits(folder: Path, model: Any, marked: bool = True) -> None:
                      f"({len(differ)} differ; e.g. {differ[0]}): its optimizer state cannot continue this run's "
                      f"adapter. Resume with the adapter settings it was saved with ({settings}"
                      f"{'; TRL: ' + flags if flags else ''}{note}), or train from the start in a new --output_dir.")
-
-
-def _has_adapter(model: Any) -> bool:
-    """Whether `model` trains a PEFT adapter: a PEFT model of any kind (`PeftModel`, `PeftMixedModel`, wrapped or not)
-    or one with PEFT's tuner layers (an adapter transformers' `add_adapter` put in)."""
-    peft = sys.modules.get("peft")  # (a model is a PEFT model only where `peft` was imported)
-    if peft is None:
-        return False
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    kinds = (peft.PeftModel, peft.PeftMixedModel, BaseTunerLayer)
-    return any(isinstance(module, kinds) for module in model.modules())
 
 
 def _adapter_name(model: Any) -> str:

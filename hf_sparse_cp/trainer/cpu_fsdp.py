@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 import torch
 from accelerate import PartialState
@@ -23,6 +22,7 @@ from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 from transformers import Trainer, TrainingArguments
 
+from ..integration.adapters import has_adapter
 from ..integration.given import require_trainer
 from ..integration.patching import record_on, undo_recorded
 
@@ -143,13 +143,13 @@ def check_fsdp2_model(model: torch.nn.Module | None, plugin: FullyShardedDataPar
     check_auto_wrap_policy(model, plugin)
 
 
-def check_peft_checkpointing(model: object, plugin: FullyShardedDataParallelPlugin) -> None:
-    """Raise ValueError, naming the fix, when `model` is a PEFT model and `plugin` turns on FSDP's own activation
+def check_peft_checkpointing(model: torch.nn.Module, plugin: FullyShardedDataParallelPlugin) -> None:
+    """Raise ValueError, naming the fix, when `model` trains a PEFT adapter (`has_adapter`: a PeftModel, a
+    PeftMixedModel, or PEFT's tuner layers put in otherwise) and `plugin` turns on FSDP's own activation
     checkpointing: the run trained, then saved an adapter without weights. The checkpoint wrapper renames the modules
     (`layers.0._checkpoint_wrapped_module.self_attn.q_proj`), PEFT picks the adapter's weights from the state dict by
     those names, and the state dict gathered from FSDP2's shards keeps the plain ones: nothing matched."""
-    peft = sys.modules.get("peft")  # (a model is a PEFT model only where `peft` was imported)
-    if plugin.activation_checkpointing and peft is not None and isinstance(model, peft.PeftModel):
+    if plugin.activation_checkpointing and has_adapter(model):
         raise ValueError("A PEFT model under FSDP's own activation checkpointing (activation_checkpointing in the FSDP "
                          "config) saves an adapter without weights (PEFT looks them up under the checkpoint wrapper's "
                          "module names, which the gathered state dict does not use): drop activation_checkpointing "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,18 +56,23 @@ def _fix(stage_len: int) -> str:
             f"samples shorter than {stage_len} tokens")
 
 
-def check_drawn_lengths(sampler: StageBatchSampler, lengths: np.ndarray, dataset, collator) -> None:
+def check_drawn_lengths(sampler: StageBatchSampler, lengths: np.ndarray, dataset, collator,
+                        begin: int | None = None) -> None:
     """Before training, over every micro-batch the run draws on any rank (`sampler`'s order from its first step, as it
-    iterates: from the first sample; `lengths`: the tokens of each sample of `dataset`): refuse, naming the step, the
-    samples and the fix, the first one whose rows differ in length (samples shorter than their stage) that `collator`
-    cannot batch; warn once with the count, per stage, of the samples it draws that are shorter than it. The same on
-    every rank: all refuse, or none."""
+    iterates: from the first sample; from step `begin` on, the step a resume that skips the batches already trained
+    begins at, `sampler.first_step()` where None; `lengths`: the tokens of each sample of `dataset`): refuse, naming
+    the step, the samples and the fix, the first one whose rows differ in length (samples shorter than their stage)
+    that `collator` cannot batch; warn once with the count, per stage, of the samples it draws that are shorter than
+    it. The same on every rank: all refuse, or none."""
     schedule, dims, first = sampler.schedule, sampler.dims, sampler.first_step()
+    begin = first if begin is None else max(begin, first)
     short, position, batch = {}, 0, sampler.batch_size
     ends = (*schedule.starts[1:], sampler.max_steps)
     for i, (stage, start) in enumerate(zip(schedule.stages, schedule.starts)):
-        start = max(start, first)
-        steps, per_step = max(0, ends[i] - start), dims[i].dp_size * batch * sampler.grad_accum
+        per_step = dims[i].dp_size * batch * sampler.grad_accum
+        position += max(0, min(ends[i], begin) - max(start, first)) * per_step  # (skipped: drawn, not trained)
+        start = max(start, begin)
+        steps = max(0, ends[i] - start)
         drawn = _drawn(sampler, position, steps * per_step)
         position += steps * per_step
         rows = np.minimum(lengths[drawn], stage.seq_len)
@@ -113,20 +118,22 @@ def _try_collate(i: int, stage, step: int, indices: np.ndarray, dataset, collato
 
 
 class CheckedBatchSampler(StageBatchSampler):
-    """`StageBatchSampler` whose micro-batches, from its first step, are checked (`check_drawn_lengths` of `lengths`,
-    `dataset`, `collator`) by `check()` and, where that step changed since, as its iteration begins: a resume that
-    replays no batches (`ignore_data_skip`) draws them from its checkpoint's step, which the Trainer reads after it
-    built the loader, and from the first sample (a check from step 0 tested other micro-batches)."""
+    """`StageBatchSampler` whose micro-batches the run trains, from step `begin()` (the Trainer's step: a resume's,
+    its checkpoint's), are checked (`check_drawn_lengths` of `lengths`, `dataset`, `collator`) as its iteration
+    begins, once the Trainer read the checkpoint's step (after it built the loader): a resume that replays no batches
+    (`ignore_data_skip`) draws them from that step and from the first sample, one that skips the batches already
+    trained (accelerate's `skip_first_batches`, which iterates this sampler from step 0) draws the rest of step 0's
+    order. A check from step 0 tested other micro-batches, or ones the resume skips."""
 
-    def __init__(self, *args, lengths: np.ndarray, dataset, collator, **kwargs) -> None:
+    def __init__(self, *args, begin: Callable[[], int], lengths: np.ndarray, dataset, collator, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.lengths, self.dataset, self.collator, self.checked = lengths, dataset, collator, None
+        self.begin, self.lengths, self.dataset, self.collator, self.checked = begin, lengths, dataset, collator, None
 
     def check(self) -> None:
-        first = self.first_step()
-        if first != self.checked:
-            check_drawn_lengths(self, self.lengths, self.dataset, self.collator)
-            self.checked = first
+        steps = (self.first_step(), self.begin())
+        if steps != self.checked:
+            check_drawn_lengths(self, self.lengths, self.dataset, self.collator, steps[1])
+            self.checked = steps
 
     def __iter__(self):
         self.check()  # (in the main process, workers or not: it draws the indices)
@@ -216,9 +223,8 @@ def train_data_loader(trainer: Trainer, schedule: Schedule, dims: Sequence[Paral
     if lengths is None:
         sampler = StageBatchSampler(schedule, dims, **options)
     else:
-        sampler = CheckedBatchSampler(schedule, dims, lengths=lengths, dataset=dataset, collator=collator, **options)
-        if not args.ignore_data_skip:  # (it begins at step 0, a resume too: checked now, before the model is prepared)
-            sampler.check()
+        sampler = CheckedBatchSampler(schedule, dims, begin=lambda: trainer.state.global_step, lengths=lengths,
+                                      dataset=dataset, collator=collator, **options)
     loader = torch.utils.data.DataLoader(
         DrawnSamples(dataset), batch_sampler=sampler, collate_fn=StageCollator(collator, lengths is not None),
         num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,

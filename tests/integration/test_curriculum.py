@@ -771,6 +771,60 @@ def test_a_resume_that_replays_no_batches_checks_the_micro_batches_it_draws(tmp_
     assert is_flag_error(refused.value) and resumed.state.global_step == 2
 
 
+@pytest.mark.parametrize("ignore_data_skip, short, named", [
+    (False, {3: 150}, None), (False, {3: 150, 5: 150}, "step 2 draws samples [4, 5]"), (True, {5: 150}, None)],
+    ids=["skipped_batch", "skipped_and_drawn_batches", "replayed_from_the_first_sample"])
+def test_a_resume_checks_exactly_the_micro_batches_it_draws(tmp_path, ignore_data_skip, short, named):
+    """A resume from step 2 of `0:128:1,1:256:1` (trained with a padding collator, resumed with one that stacks)
+    draws steps 2-3: samples 4-7 where it skips the batches already trained (accelerate's skip_first_batches), samples
+    0-3 where it replays none (--ignore_data_skip). The check walked every step from step 0 where it skips them: the
+    skipped step 1 (samples 2 and 3, the latter of 150 tokens) refused the resume, and was named where step 2 draws
+    another such batch. A batch only step 0's order draws at a resumed step is not refused either."""
+    from hf_sparse_cp.trainer.arguments import is_flag_error
+
+    samples = _short_at(_stage_data(_samples(), 0, 8, 256), short)
+    _one_process(tmp_path, "0:128:1,1:256:1", samples, _padding_collator, batch=2, max_steps=4,
+                 save_strategy="steps", save_steps=2).train()
+    resumed = _one_process(tmp_path, "0:128:1,1:256:1", samples, batch=2, max_steps=4,
+                           ignore_data_skip=ignore_data_skip)
+    checkpoint = str(tmp_path / "checkpoint-2")
+    if named is None:
+        resumed.train(resume_from_checkpoint=checkpoint)
+        assert resumed.state.global_step == 4
+        return
+    with pytest.raises(ValueError, match="^" + re.escape(f"cp_schedule stage 1 (1:256:1): {named}")) as refused:
+        resumed.train(resume_from_checkpoint=checkpoint)
+    assert is_flag_error(refused.value) and resumed.state.global_step == 2
+
+
+@pytest.mark.parametrize("begin", range(6))
+def test_a_resume_that_skips_batches_is_checked_on_those_every_rank_then_draws(begin):
+    """Through CP and DP layouts, two passes over shuffled data: resumed at step `begin`, the refused micro-batch is
+    the first one of mixed lengths that any rank's sampler hands out (from step 0: accelerate's skip_first_batches
+    skips the first `begin` steps of it) at step `begin` or later; none where there is none."""
+    from hf_sparse_cp.trainer.stage_loader import check_drawn_lengths
+
+    world, grad_accum, n, schedule = 4, 2, 10, _build(SCHEDULE, max_steps=6)
+    lengths = np.array([512, 512, 100, 512, 512, 512, 300, 512, 512, 512])
+    data = [{"input_ids": torch.arange(k), "labels": torch.arange(k)} for k in lengths]
+    stack = lambda rows: {k: torch.stack([r[k] for r in rows]) for k in rows[0]}  # noqa: E731
+    mixed = []
+    for rank in range(world):
+        dims = [_dims(world, rank, stage.cp_size) for stage in schedule.stages]
+        sampler = StageBatchSampler(schedule, dims, num_samples=n, batch_size=2, grad_accum=grad_accum,
+                                    max_steps=6, seed=7)
+        for k, batch in enumerate(sampler):  # (micro-batch j of DP rank d is the step's (j x DP + d)-th)
+            step, stage = k // grad_accum, dims[schedule.index_at(k // grad_accum)]
+            if step >= begin and len({min(lengths[i], seq) for i, seq in batch}) > 1:
+                mixed.append(((step, k % grad_accum * stage.dp_size + stage.dp_rank), [i for i, _ in batch]))
+    if not mixed:
+        check_drawn_lengths(sampler, lengths, data, stack, begin)
+        return
+    (step, _), samples = min(mixed)
+    with pytest.raises(ValueError, match=re.escape(f": step {step} draws samples {samples}, rows")):
+        check_drawn_lengths(sampler, lengths, data, stack, begin)
+
+
 def test_the_samples_named_are_those_the_shuffled_order_draws_from_a_datasets_dataset(tmp_path):
     """The lengths of a `datasets.Dataset` (a selection of it: an indices mapping) are read from arrow, and the
     micro-batch refused is the one the seeded sampler hands out."""

@@ -380,14 +380,17 @@ def test_reward_under_cp_equals_one_process(tmp_path, cp, settings, lora, world)
         assert all(2 * n <= m + 64 for n, m in zip(rank["lengths"][:2], one["lengths"][:2])), rank["lengths"]
 
 
-def _precomputed(tmp_path, weights: dict, sparse: dict | None, as_path: bool = False, data=None,
+def _precomputed(tmp_path, weights: dict, sparse: dict | None, as_path: bool = False, data=None, kind: str = "dpo",
                  **dpo) -> torch.Tensor:
-    """The reference log-probs of the chosen completions a DPOTrainer precomputes in its `__init__`: stock (`sparse`
-    None) or with the plugin's flags `sparse`; the model given by its folder (`as_path`, as a Hub id: TRL loads it) or
-    as a model; over `data` (four pairs in memory when None); `dpo`: DPO's settings over `DPO`."""
-    from trl import DPOConfig, DPOTrainer
+    """The reference log-probs of the chosen completions a DPOTrainer (`kind` "dpo"; a KTOTrainer's of its completions,
+    "kto") precomputes in its `__init__`: stock (`sparse` None) or with the plugin's flags `sparse`; the model given by
+    its folder (`as_path`, as a Hub id: TRL loads it) or as a model; over `data` (four pairs in memory when None, apart
+    for KTO); `dpo`: the trainer's settings over `DPO`."""
+    import trl
 
     from hf_sparse_cp import sparse_arguments_class, sparse_trainer_class
+
+    arguments_class, trainer_class = (getattr(trl, f"{kind.upper()}{part}") for part in ("Config", "Trainer"))
 
     tokenizer = byte_tokenizer()
     config = tiny_config("llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, head_dim=16)
@@ -397,11 +400,13 @@ def _precomputed(tmp_path, weights: dict, sparse: dict | None, as_path: bool = F
     if as_path:
         models[0].save_pretrained(tmp_path / "m")
     settings = dict(output_dir=str(tmp_path), **{**DPO, **dpo}, precompute_ref_log_probs=True)
-    args = sparse_arguments_class(DPOConfig)(**settings, **sparse) if sparse is not None else DPOConfig(**settings)
-    trainer = (sparse_trainer_class(DPOTrainer) if sparse is not None else DPOTrainer)(
+    args = (sparse_arguments_class(arguments_class)(**settings, **sparse) if sparse is not None
+            else arguments_class(**settings))
+    pairs = _pairs(4) if kind == "dpo" else _unpaired(_pairs(4))
+    trainer = (sparse_trainer_class(trainer_class) if sparse is not None else trainer_class)(
         model=str(tmp_path / "m") if as_path else models[0], ref_model=models[1], args=args,
-        train_dataset=datasets.Dataset.from_dict(_pairs(4)) if data is None else data, processing_class=tokenizer)
-    return torch.tensor(trainer.train_dataset["ref_chosen_logps"])
+        train_dataset=datasets.Dataset.from_dict(pairs) if data is None else data, processing_class=tokenizer)
+    return torch.tensor(trainer.train_dataset["ref_chosen_logps" if kind == "dpo" else "ref_logps"])
 
 
 def _tiny_weights() -> dict:
@@ -421,17 +426,20 @@ def test_precomputed_reference_log_probs_of_a_model_given_by_its_hub_id_are_the_
     assert not torch.allclose(_precomputed(tmp_path / "stock", weights, None), given)  # (the pattern drops blocks)
 
 
-@pytest.mark.parametrize("in_flags", [False, True], ids=["sparse_config-file-changed", "flags-truncation-keep_end"])
-def test_precomputed_reference_log_probs_are_cached_per_pattern(tmp_path, in_flags):
+@pytest.mark.parametrize("kind, in_flags", [("dpo", False), ("dpo", True), ("kto", False), ("kto", True)],
+                         ids=["sparse_config-file-changed", "flags-truncation-keep_end",
+                              "kto-sparse_config-file-changed", "kto-flags-no-max_length"])
+def test_precomputed_reference_log_probs_are_cached_per_pattern(tmp_path, kind, in_flags):
     """TRL caches the reference log-probs it precomputes beside a dataset stored in files, keyed by the processed
     data's fingerprint and the reference's weights. The fingerprint carries the Trainer's arguments only through the
     filter of over-long prompts (truncation_mode keep_start, with a max_length), and then a --sparse_config file's path,
     not what it holds: a run whose pattern file had changed, or under keep_end one of other pattern flags (the stock
     attention's too), read the log-probs of the earlier pattern. The key carries the pattern used: another pattern
-    computes (and caches) its own, the same pattern reads them."""
+    computes (and caches) its own, the same pattern reads them. The same for KTO's, whose filter (keep_start
+    always) carries the arguments unless max_length is None."""
     import json
 
-    datasets.Dataset.from_dict(_pairs(4)).save_to_disk(tmp_path / "data")
+    datasets.Dataset.from_dict(_pairs(4) if kind == "dpo" else _unpaired(_pairs(4))).save_to_disk(tmp_path / "data")
     weights, pattern_file = _tiny_weights(), tmp_path / "pattern.yaml"
 
     def precomputed(vertical_slash: int) -> tuple[torch.Tensor, set[str]]:
@@ -439,16 +447,16 @@ def test_precomputed_reference_log_probs_are_cached_per_pattern(tmp_path, in_fla
         if in_flags:
             logps = _precomputed(tmp_path, weights, {**PATTERN, "sparse_vertical_topk": vertical_slash,
                                                      "sparse_slash_topk": vertical_slash},
-                                 data=data, truncation_mode="keep_end")
+                                 data=data, kind=kind, **({"truncation_mode": "keep_end"} if kind == "dpo" else
+                                                          {"max_length": None}))
         else:
             pattern_file.write_text(json.dumps({
                 "block_size": 32, "min_seq_len": 64, "local_window": 32, "sink_tokens": 4, "scoring": {"last_q": 16},
                 "budget": {"mode": "topk", "vertical_topk": vertical_slash, "slash_topk": vertical_slash}}))
-            logps = _precomputed(tmp_path, weights, {"sparse_config": str(pattern_file)}, data=data)
+            logps = _precomputed(tmp_path, weights, {"sparse_config": str(pattern_file)}, data=data, kind=kind)
         # (the cache files of precomputed log-probs, beside those of the data's processing)
         return logps, {path.name for path in (tmp_path / "data").glob("cache-*.arrow")
-                       if datasets.Dataset.from_file(str(path)).column_names == ["ref_chosen_logps",
-                                                                                 "ref_rejected_logps"]}
+                       if all(name.startswith("ref_") for name in datasets.Dataset.from_file(str(path)).column_names)}
 
     first, cached = precomputed(8)
     other, after_other = precomputed(2)
