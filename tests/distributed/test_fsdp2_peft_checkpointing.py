@@ -1,9 +1,11 @@
-"""A PEFT model under FSDP2 with FSDP's own activation checkpointing on CPU processes: it trained as one process does
-(the same losses), then saved an adapter_model.safetensors without a tensor, which loads with a warning of missing
-keys and leaves the adapter untrained. PEFT picks the adapter's weights by the names of the model's LoRA modules,
-which the checkpoint wrapper renames (`layers.0._checkpoint_wrapped_module.self_attn...`), while the gathered state
-dict keeps the plain names. The plugin refuses the pair as it builds the Trainer, naming --gradient_checkpointing (the
-Trainer's checkpointing, whose adapters save whole: --activation_checkpointing in newer transformers)."""
+"""A PEFT model under FSDP2 with FSDP's own activation checkpointing on CPU processes. With PEFT 0.21 it trained as
+one process does (the same losses), then saved an adapter_model.safetensors without a tensor, which loads with a
+warning of missing keys and leaves the adapter untrained: PEFT picked the adapter's weights by the names of the
+model's LoRA modules, which the checkpoint wrapper renames (`layers.0._checkpoint_wrapped_module.self_attn...`), while
+the gathered state dict keeps the plain names. PEFT 0.22 saves them (measured: 0.21.2 no tensor, 0.22.0 the four
+trained ones). The plugin refuses the pair under an older PEFT as it builds the Trainer, naming the upgrade and
+--gradient_checkpointing (the Trainer's checkpointing, whose adapters save whole: --activation_checkpointing in newer
+transformers)."""
 
 import os
 import re
@@ -15,11 +17,12 @@ from fsdp2_runs import rows
 from padding import pad_collate
 
 REFUSAL = (r"^A PEFT model under FSDP's own activation checkpointing \(activation_checkpointing in the FSDP config\) "
-           r"saves an adapter without weights .*: drop activation_checkpointing from the FSDP config and set the "
-           r"Trainer's --gradient_checkpointing instead \(--activation_checkpointing where transformers has it\)\.$")
+           r"saves an adapter without weights with PEFT 0\.21\.2 .*: upgrade PEFT to 0\.22 or newer, or drop "
+           r"activation_checkpointing from the FSDP config and set the Trainer's --gradient_checkpointing instead "
+           r"\(--activation_checkpointing where transformers has it\)\.$")
 
 
-def _build(rank: int, world: int, source: str, kind: str) -> list[str]:
+def _trainer(rank: int, world: int, source: str, kind: str, output_dir: str):
     from peft import LoraConfig, get_peft_model, inject_adapter_in_model
     from transformers import AutoModelForCausalLM
 
@@ -30,9 +33,7 @@ def _build(rank: int, world: int, source: str, kind: str) -> list[str]:
     torch.manual_seed(0)
     model, lora = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97)), LoraConfig(
         r=4, target_modules=["q_proj"])
-    if kind == "add_adapter":  # (transformers' PEFT integration: the model's own class, with PEFT's tuner layers)
-        model.add_adapter(lora)
-    elif kind == "injected":
+    if kind == "injected":  # (tuner layers in the model's own class: the model saves whole)
         model = inject_adapter_in_model(lora, model)
     else:
         model = get_peft_model(model, lora, mixed=kind == "mixed")
@@ -42,24 +43,69 @@ def _build(rank: int, world: int, source: str, kind: str) -> list[str]:
     else:  # what `accelerate launch` passes on from a config's fsdp_activation_checkpointing: true
         fsdp = {}
         os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_ACTIVATION_CHECKPOINTING="true")
+    args = SparseTrainingArguments(output_dir=output_dir, report_to="none", use_cpu=True, max_steps=1,
+                                   learning_rate=1e-2, per_device_train_batch_size=1, save_strategy="no",
+                                   sparse_attention=False, **fsdp)
+    return SparseTrainer(model=model, args=args, train_dataset=rows()[:2], data_collator=pad_collate)
+
+
+def _build_under_old_peft(rank: int, world: int, source: str, kind: str) -> list[str]:
+    import peft
+
+    peft.__version__ = "0.21.2"  # (this process's only: the release that saved no weights)
     with tempfile.TemporaryDirectory() as tmp:
-        args = SparseTrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, max_steps=1,
-                                       per_device_train_batch_size=1, save_strategy="no", sparse_attention=False,
-                                       **fsdp)
         try:
-            SparseTrainer(model=model, args=args, train_dataset=rows()[:2], data_collator=pad_collate)
+            _trainer(rank, world, source, kind, tmp)
         except ValueError as error:
             return [str(error)]
     return []
 
 
 @pytest.mark.parametrize("source, kind", [("flags", "peft_model"), ("accelerate_config", "peft_model"),
-                                          ("flags", "mixed"), ("flags", "add_adapter"), ("flags", "injected")])
-def test_a_peft_model_under_fsdp_activation_checkpointing_is_refused_naming_gradient_checkpointing(source, kind):
-    """A model whose adapter was added otherwise than as a `PeftModel` (a PeftMixedModel, transformers' `add_adapter`,
-    PEFT's `inject_adapter_in_model`) is one too, as the checkpoint checks count it (`has_adapter`): it passed."""
+                                          ("flags", "mixed"), ("flags", "injected")])
+def test_a_peft_model_under_fsdp_activation_checkpointing_and_old_peft_is_refused_naming_the_fixes(source, kind):
+    """PEFT 0.21's save of a PeftModel / PeftMixedModel kept no weight; a model with injected tuner layers saves whole
+    (its LoRA weights kept under 0.21.2 too) and is left to train."""
     from hf_sparse_cp.testing.spawn import run_gloo
 
-    for errors in run_gloo(_build, 2, source, kind, timeout_s=300):
-        assert len(errors) == 1
-        assert re.match(REFUSAL, errors[0]), errors[0]
+    for errors in run_gloo(_build_under_old_peft, 2, source, kind, timeout_s=300):
+        if kind == "injected":
+            assert errors == []
+        else:
+            assert len(errors) == 1
+            assert re.match(REFUSAL, errors[0]), errors[0]
+
+
+def _train_and_save(rank: int, world: int) -> dict | None:
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _trainer(rank, world, "flags", "peft_model", tmp)
+        trainer.train()
+        trainer.save_model(f"{tmp}/out")
+        trained = {name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+                   for name, p in trainer.model.named_parameters() if "lora_" in name}
+        if rank:
+            return None
+        return {"saved": load_file(f"{tmp}/out/adapter_model.safetensors"), "trained": trained}
+
+
+def test_a_peft_model_under_fsdp_activation_checkpointing_saves_its_trained_adapter_under_current_peft():
+    """Where the installed PEFT is 0.22 or newer the pair trains and saves every LoRA weight as trained (PEFT 0.21.2
+    saved none: the refusal above)."""
+    import peft
+    from packaging.version import Version
+
+    from hf_sparse_cp.testing.spawn import run_gloo
+    from hf_sparse_cp.trainer.cpu_fsdp import PEFT_SAVES_WRAPPED_ADAPTERS
+
+    if Version(peft.__version__).release < PEFT_SAVES_WRAPPED_ADAPTERS:
+        pytest.skip(f"PEFT {peft.__version__} is refused (the test above)")
+    out = run_gloo(_train_and_save, 2, timeout_s=300)[0]
+    saved, trained = out["saved"], out["trained"]
+    assert len(saved) == len(trained) == 4  # (A and B of q_proj in the tiny model's 2 layers)
+    for name, weight in trained.items():
+        key = re.sub(r"\._checkpoint_wrapped_module|\.default", "", name)
+        assert key in saved, (key, sorted(saved))
+        torch.testing.assert_close(saved[key], weight.to(saved[key].dtype), rtol=0, atol=0)
+    assert any(weight.abs().max() > 0 for name, weight in trained.items() if "lora_B" in name)  # (trained: B starts 0)
