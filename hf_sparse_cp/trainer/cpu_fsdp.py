@@ -173,8 +173,16 @@ def check_auto_wrap_policy(model: torch.nn.Module, plugin: FullyShardedDataParal
     which it met in `train()`, after the data and model were built, with messages that named no fix: a
     transformer_layer_cls_to_wrap naming no class of the model; SIZE_BASED_WRAP selecting a module list (FSDP2
     shards only modules with a forward) or a module holding the embeddings or the LM head (accelerate then shards
-    those inside the sharded module again). The layer classes named are the model's `_no_split_modules`."""
+    those inside the sharded module again); FSDP's own activation checkpointing without a policy (it checkpoints the
+    modules the policy wraps: TypeError 'NoneType' object is not callable, from an accelerate config without
+    fsdp_auto_wrap_policy). The layer classes named are the model's `_no_split_modules`."""
     if plugin.auto_wrap_policy is None:
+        if plugin.activation_checkpointing:
+            raise ValueError("FSDP's own activation checkpointing (activation_checkpointing) checkpoints the modules "
+                             "the auto-wrap policy wraps, and none is set (accelerate's prepare failed: 'NoneType' "
+                             "object is not callable): set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP in the "
+                             "accelerate config (FSDP_AUTO_WRAP_POLICY), or transformer_layer_cls_to_wrap in "
+                             "--fsdp_config; or drop activation_checkpointing and set --gradient_checkpointing.")
         return
     layers = ", ".join(getattr(model, "_no_split_modules", None) or []) or "see the model's decoder layer class"
     try:

@@ -105,3 +105,45 @@ def test_accelerates_own_fsdp2_is_checked_as_the_trainer_is_built(how):
 
     for errors in run_gloo(_build_as_on_an_accelerator, 2, how, timeout_s=300):
         assert len(errors) == 1 and re.match(CASES["size-list"][1], errors[0]), errors
+
+
+def _build_from_accelerate_variables(rank: int, world: int, policy: str | None) -> list[str]:
+    """A Trainer built and trained one step under what `accelerate launch` passes on from a config with
+    fsdp_activation_checkpointing: true and `policy` as fsdp_auto_wrap_policy (None: the key left out)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_ACTIVATION_CHECKPOINTING="true")
+    if policy is not None:
+        os.environ["FSDP_AUTO_WRAP_POLICY"] = policy
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=97))
+    with tempfile.TemporaryDirectory() as tmp:
+        args = SparseTrainingArguments(output_dir=tmp, report_to="none", use_cpu=True, max_steps=1,
+                                       per_device_train_batch_size=1, save_strategy="no", sparse_attention=False)
+        try:
+            trainer = SparseTrainer(model=model, args=args, train_dataset=rows()[:2], data_collator=pad_collate)
+        except ValueError as error:
+            return [str(error)]
+        trainer.train()
+    return []
+
+
+@pytest.mark.parametrize("policy", [None, "TRANSFORMER_BASED_WRAP"])
+def test_fsdp_activation_checkpointing_without_an_auto_wrap_policy_is_refused_naming_one(policy):
+    """accelerate's FSDP2 checkpoints the modules its auto-wrap policy wraps: an accelerate config with
+    fsdp_activation_checkpointing and no fsdp_auto_wrap_policy failed in train() ("'NoneType' object is not
+    callable"). Refused as the Trainer is built, naming the policy; with one it trains."""
+    from hf_sparse_cp.testing.spawn import run_gloo
+
+    for errors in run_gloo(_build_from_accelerate_variables, 2, policy, timeout_s=300):
+        if policy is None:
+            assert len(errors) == 1 and re.match(
+                r"^FSDP's own activation checkpointing \(activation_checkpointing\) checkpoints the modules the "
+                r"auto-wrap policy wraps, and none is set .*: set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP in "
+                r"the accelerate config \(FSDP_AUTO_WRAP_POLICY\), or transformer_layer_cls_to_wrap in --fsdp_config; "
+                r"or drop activation_checkpointing and set --gradient_checkpointing\.$", errors[0]), errors
+        else:
+            assert errors == []
