@@ -36,16 +36,17 @@ def adapter_base(adapter_config: str | Path) -> str | None:
     return base if isinstance(base, str) and base else None
 
 
-class _KeyTwice(ValueError):
-    """A key given twice in one mapping of a JSON file."""
+class KeyGivenTwice(ValueError):
+    """A key given twice in one mapping of JSON text."""
 
 
-def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object's pairs as a dict, refusing a key given twice (json keeps the last without a word)."""
+def unique_json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict (`json.loads`' object_pairs_hook), refusing a key given twice (json keeps the
+    last without a word)."""
     data: dict[str, Any] = {}
     for key, value in pairs:
         if key in data:
-            raise _KeyTwice(f"key {key!r} is given twice in one mapping ({value_text(data[key])} and "
+            raise KeyGivenTwice(f"key {key!r} is given twice in one mapping ({value_text(data[key])} and "
                             f"{value_text(value)}): keep one")
         data[key] = value
     return data
@@ -87,8 +88,8 @@ def read_mapping(path: str | Path, what: str = "fields", kind: str = "Config fil
             if path.suffix != ".json":
                 data = yaml.load(stream, Loader=_UniqueKeyLoader)  # (safe_load's loader, keys checked)
             else:
-                data = json.load(stream, object_pairs_hook=_json_pairs) if path.stat().st_size else None
-    except (json.JSONDecodeError, yaml.YAMLError, _KeyTwice) as e:
+                data = json.load(stream, object_pairs_hook=unique_json_pairs) if path.stat().st_size else None
+    except (json.JSONDecodeError, yaml.YAMLError, KeyGivenTwice) as e:
         raise ValueError(f"{kind} {str(path)!r} is not valid {path.suffix[1:].upper()}: {e}") from None
     except UnicodeDecodeError:  # (a weights file under a config's name: the decoder's message names neither)
         raise ValueError(f"{kind} {str(path)!r} is not valid {path.suffix[1:].upper()}: not UTF-8 text (a binary "

@@ -182,6 +182,8 @@ def test_a_config_saved_before_the_mode_only_fields_loads_as_it_ran(caplog):
         ({"layer_overrides": {"x-y": {"pattern": "dense"}}}, "not a layer index"),
         ({"layer_overrides": {"0": {"colour": 1}}}, "unknown fields"),
         ({"layer_overrides": "{not json"}, "not valid JSON"),
+        ({"layer_overrides": '{"0": {"pattern": "dense"}, "0": {"block_size": 32}}'},
+         r"not valid JSON \(key '0' is given twice in one mapping .*keep one\)"),
         ({"layer_overrides": {"1-0": {"pattern": "dense"}}}, "reversed range.*'0-1'"),
         ({"layer_overrides": {"2": {"block_size": 100}}},
          r"layer_overrides\['2'\]: block_size \(--sparse_block_size\)=100 must be a power"),
