@@ -91,7 +91,9 @@ class Architecture:
     what each decoder layer saves for backward besides its attention core and MLP, measured on the model by
     activation dtype (`layer_saved`: `measurements.LayerSaved`, measured when first read; None: a Llama layer's, counted
     on its code); whether LoRA's count reads its layers (`lora_layers`: a family of `lora.LORA_FAMILIES` whose layer
-    holds `lora.MODULE_INPUTS` by name and size, and no other matrix)."""
+    holds `lora.MODULE_INPUTS` by name and size, and no other matrix); the positions a learned position table holds
+    (`max_positions`: GPT-2's n_positions, OPT's max_position_embeddings, the longest sequence its forward takes;
+    None: positions computed, as RoPE's, or none)."""
 
     shape: ModelShape
     tied_embeddings: bool
@@ -101,6 +103,7 @@ class Architecture:
     largest_param: int = 0
     layer_saved: Mapping[str, tuple[LayerSaved, ...]] | None = None
     lora_layers: bool = True
+    max_positions: int | None = None
 
     @property
     def name(self) -> str:
@@ -168,7 +171,18 @@ class Architecture:
                               if twin else None)
         return cls(shape, tied, layer - shape.layer_params, rest, lean,
                    largest if largest > shape.vocab * shape.hidden else 0, saved,
-                   config.model_type in LORA_FAMILIES and _llama_matrices(layers[0], shape))
+                   config.model_type in LORA_FAMILIES and _llama_matrices(layers[0], shape), _learned_positions(model))
+
+
+def _learned_positions(model: torch.nn.Module) -> int | None:
+    """The positions `model`'s learned position table holds (`Architecture.max_positions`): an embedding named for
+    positions beside the input embedding (GPT-2's `wpe`, OPT's `embed_positions`, less the offset OPT's and BioGPT's
+    tables start their positions at); None without one."""
+    tokens = model.get_input_embeddings()
+    sizes = [module.num_embeddings - getattr(module, "offset", 0) for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Embedding) and module is not tokens
+             and any(word in name.rsplit(".", 1)[-1] for word in ("pos", "wpe"))]
+    return min(sizes) if sizes else None
 
 
 def _llama_matrices(layer: torch.nn.Module, shape: ModelShape) -> bool:
