@@ -534,11 +534,12 @@ def test_a_learned_position_table_counts_its_positions_not_its_offset():
     """OPT's and BioGPT's tables hold 2 rows before position 0 (their `offset`): 514 rows are 512 positions."""
     from transformers import OPTConfig
 
-    from hf_sparse_cp.simulator.memory_model.architecture import _learned_positions, meta_model
+    from hf_sparse_cp.config.model_fields import learned_positions
+    from hf_sparse_cp.simulator.shapes import meta_model
 
     config = OPTConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, ffn_dim=128,
                        word_embed_proj_dim=64, max_position_embeddings=512, vocab_size=300)
-    assert _learned_positions(meta_model(config, "opt")) == 512
+    assert learned_positions(meta_model(config, "opt")) == 512
 
 
 def test_the_memory_command_tiles_tokens_only_where_training_does(tmp_path, capsys):

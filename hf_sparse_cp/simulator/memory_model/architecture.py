@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config.model_fields import LEAN_LOSS_FAMILIES, decoder_layers
+from ...config.model_fields import LEAN_LOSS_FAMILIES, decoder_layers, learned_positions
 from ..lora import LORA_FAMILIES, MODULE_INPUTS, module_features
 from ..shapes import ModelShape, check_decoder, check_routing_tensors, meta_model
 from .measurements import LayerSaved, MoeBytes, SavedBytes, layer_saved, moe_bytes
@@ -171,18 +171,8 @@ class Architecture:
                               if twin else None)
         return cls(shape, tied, layer - shape.layer_params, rest, lean,
                    largest if largest > shape.vocab * shape.hidden else 0, saved,
-                   config.model_type in LORA_FAMILIES and _llama_matrices(layers[0], shape), _learned_positions(model))
+                   config.model_type in LORA_FAMILIES and _llama_matrices(layers[0], shape), learned_positions(model))
 
-
-def _learned_positions(model: torch.nn.Module) -> int | None:
-    """The positions `model`'s learned position table holds (`Architecture.max_positions`): an embedding named for
-    positions beside the input embedding (GPT-2's `wpe`, OPT's `embed_positions`, less the offset OPT's and BioGPT's
-    tables start their positions at); None without one."""
-    tokens = model.get_input_embeddings()
-    sizes = [module.num_embeddings - getattr(module, "offset", 0) for name, module in model.named_modules()
-             if isinstance(module, torch.nn.Embedding) and module is not tokens
-             and any(word in name.rsplit(".", 1)[-1] for word in ("pos", "wpe"))]
-    return min(sizes) if sizes else None
 
 
 def _llama_matrices(layer: torch.nn.Module, shape: ModelShape) -> bool:
