@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config.model_fields import LEAN_LOSS_FAMILIES, decoder_layers, learned_positions
+from ...config.model_fields import LEAN_LOSS_FAMILIES, decoder_layers
 from ..lora import LORA_FAMILIES, MODULE_INPUTS, module_features
 from ..shapes import ModelShape, check_decoder, check_routing_tensors, meta_model
 from .measurements import LayerSaved, MoeBytes, SavedBytes, layer_saved, moe_bytes
@@ -91,9 +91,7 @@ class Architecture:
     what each decoder layer saves for backward besides its attention core and MLP, measured on the model by
     activation dtype (`layer_saved`: `measurements.LayerSaved`, measured when first read; None: a Llama layer's, counted
     on its code); whether LoRA's count reads its layers (`lora_layers`: a family of `lora.LORA_FAMILIES` whose layer
-    holds `lora.MODULE_INPUTS` by name and size, and no other matrix); the positions a learned position table holds
-    (`max_positions`: GPT-2's n_positions, OPT's max_position_embeddings, the longest sequence its forward takes;
-    None: positions computed, as RoPE's, or none)."""
+    holds `lora.MODULE_INPUTS` by name and size, and no other matrix)."""
 
     shape: ModelShape
     tied_embeddings: bool
@@ -103,11 +101,15 @@ class Architecture:
     largest_param: int = 0
     layer_saved: Mapping[str, tuple[LayerSaved, ...]] | None = None
     lora_layers: bool = True
-    max_positions: int | None = None
 
     @property
     def name(self) -> str:
         return self.shape.name
+
+    @property
+    def max_positions(self) -> int | None:
+        """The positions a learned position table holds (`ModelShape.max_positions`), or None."""
+        return self.shape.max_positions
 
     @property
     def layer_params(self) -> int:
@@ -171,7 +173,7 @@ class Architecture:
                               if twin else None)
         return cls(shape, tied, layer - shape.layer_params, rest, lean,
                    largest if largest > shape.vocab * shape.hidden else 0, saved,
-                   config.model_type in LORA_FAMILIES and _llama_matrices(layers[0], shape), learned_positions(model))
+                   config.model_type in LORA_FAMILIES and _llama_matrices(layers[0], shape))
 
 
 
