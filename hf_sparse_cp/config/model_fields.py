@@ -35,7 +35,10 @@ def learned_positions(model: torch.nn.Module) -> int | None:
     BioGPT's tables hold before position 0); None without one (RoPE's positions are computed: no bound)."""
     import torch
 
-    tokens = model.get_input_embeddings()
+    try:
+        tokens = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # (a module of the caller's own, not a transformers model)
+        tokens = None
     sizes = [module.num_embeddings - getattr(module, "offset", 0) for name, module in model.named_modules()
              if isinstance(module, torch.nn.Embedding) and module is not tokens
              and any(word in name.rsplit(".", 1)[-1] for word in ("pos", "wpe"))]
