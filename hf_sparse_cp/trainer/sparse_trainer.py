@@ -295,11 +295,12 @@ def _refuse_rows_past_learned_positions(model: Any, dataset) -> None:
     length = _first_length(dataset)
     positions = learned_positions(model) if isinstance(model, torch.nn.Module) and length else None
     if positions is not None and length > positions:
+        model_type = getattr(getattr(model, "config", None), "model_type", "?")
         raise ValueError(
-            f"The first training row holds {length:,} tokens, and {type(model).__name__} (model type "
-            f"{getattr(model.config, 'model_type', '?')!r}) learns {positions:,} positions (its position embeddings): "
-            "a longer row fails in its forward. Cut the rows to at most that many tokens (run_clm.py's --block_size, "
-            "TRL's --max_length), or train a model whose positions are computed (RoPE).")
+            f"The first training row holds {length:,} tokens, and {type(model).__name__} (model type {model_type!r}) "
+            f"learns {positions:,} positions (its position embeddings): a longer row fails in its forward. Cut the "
+            "rows to at most that many tokens (--sparse_max_length, run_clm.py's --block_size, TRL's --max_length), "
+            "or train a model whose positions are computed (RoPE).")
 
 
 # TRL SFTConfig's packing settings (`_packing_kept_under_accelerates_cp`)
