@@ -36,10 +36,47 @@ def adapter_base(adapter_config: str | Path) -> str | None:
     return base if isinstance(base, str) and base else None
 
 
+class KeyGivenTwice(ValueError):
+    """A key given twice in one mapping of JSON text."""
+
+
+def unique_json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict (`json.loads`' object_pairs_hook), refusing a key given twice (json keeps the
+    last without a word)."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise KeyGivenTwice(f"key {key!r} is given twice in one mapping ({value_text(data[key])} and "
+                            f"{value_text(value)}): keep one")
+        data[key] = value
+    return data
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.safe_load`'s loader, refusing a key given twice in one mapping (PyYAML keeps the last without a word,
+    so the first value a user wrote was dropped); keys a merge (`<<: *anchor`) brings in may still be replaced."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                if isinstance(key, typing.Hashable):
+                    if key in lines:
+                        raise yaml.constructor.ConstructorError(
+                            "while constructing a mapping", node.start_mark,
+                            f"found key {key!r} again (first on line {lines[key]}): keep one", key_node.start_mark)
+                    lines[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_mapping(path: str | Path, what: str = "fields", kind: str = "Config file") -> dict[str, Any]:
     """The mapping stored in a .yaml/.yml or .json file; clear errors, naming the file (as `kind`), for a
-    missing file, another suffix, a syntax error, an empty file (or one of comments only: a mistake, which
-    read as every default), or content that is not a mapping (`what` names the expected keys in those errors)."""
+    missing file, another suffix, a syntax error, a key given twice in one mapping, an empty file (or one of
+    comments only: a mistake, which read as every default), or content that is not a mapping (`what` names the
+    expected keys in those errors)."""
     given, path = str(path), Path(path)
     if not path.is_file():  # ('' is the working folder: named as given)
         raise FileNotFoundError(f"{kind} {given!r} " + ("is a folder, not a file (give the file's path)."
@@ -49,10 +86,10 @@ def read_mapping(path: str | Path, what: str = "fields", kind: str = "Config fil
     try:
         with path.open(encoding="utf-8") as stream:  # (a stream, so that YAML's error marks name the file and line)
             if path.suffix != ".json":
-                data = yaml.safe_load(stream)
+                data = yaml.load(stream, Loader=_UniqueKeyLoader)  # (safe_load's loader, keys checked)
             else:
-                data = json.load(stream) if path.stat().st_size else None
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
+                data = json.load(stream, object_pairs_hook=unique_json_pairs) if path.stat().st_size else None
+    except (json.JSONDecodeError, yaml.YAMLError, KeyGivenTwice) as e:
         raise ValueError(f"{kind} {str(path)!r} is not valid {path.suffix[1:].upper()}: {e}") from None
     except UnicodeDecodeError:  # (a weights file under a config's name: the decoder's message names neither)
         raise ValueError(f"{kind} {str(path)!r} is not valid {path.suffix[1:].upper()}: not UTF-8 text (a binary "

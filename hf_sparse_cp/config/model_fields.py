@@ -27,3 +27,19 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def learned_positions(model: torch.nn.Module) -> int | None:
+    """The positions `model`'s learned position table holds, the longest sequence its forward takes: an embedding named
+    for positions beside the input embedding (GPT-2's `wpe`, OPT's `embed_positions`, less the `offset` rows OPT's and
+    BioGPT's tables hold before position 0); None without one (RoPE's positions are computed: no bound)."""
+    import torch
+
+    try:
+        tokens = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # (a module of the caller's own, not a transformers model)
+        tokens = None
+    sizes = [module.num_embeddings - getattr(module, "offset", 0) for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Embedding) and module is not tokens
+             and any(word in name.rsplit(".", 1)[-1] for word in ("pos", "wpe"))]
+    return min(sizes) if sizes else None

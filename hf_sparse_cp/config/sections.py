@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .files import FileConfig, check_field_types, close_keys, flag_setting, setting
+from .files import FileConfig, KeyGivenTwice, check_field_types, close_keys, flag_setting, setting, unique_json_pairs
 from .registries import Variants, register_in
 
 # The mode a config without a budget runs (the sparsest measured setting within 0.5% of dense perplexity).
@@ -269,8 +269,8 @@ def parsed_overrides(overrides: Any) -> Any:
     if not isinstance(overrides, str):
         return overrides
     try:
-        return json.loads(overrides) if overrides.strip() else None
-    except json.JSONDecodeError as e:
+        return json.loads(overrides, object_pairs_hook=unique_json_pairs) if overrides.strip() else None
+    except (json.JSONDecodeError, KeyGivenTwice) as e:
         raise ValueError(
             f"layer_overrides is not valid JSON ({e}); pass e.g. '{{\"0-1\": {{\"pattern\": \"dense\"}}}}'"
         ) from None

@@ -13,6 +13,7 @@ returned to the caller, and `plot_run` also saves them as PNG.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from ..backends import require_matplotlib
 from ..checkpoint_marker import newest_complete_checkpoint
 from ..config import SparseAttentionConfig, language_config
 from ..config.files import adapter_base
+from ..config.model_fields import learned_positions
 from ..integration.interfaces import is_patched, patch, unpatch
 from ..integration.patching import PatchSet
 from ..integration.registration import configure
@@ -357,9 +359,14 @@ def _layouts_of(model_path, text_file, seq_len, layers, heads, sparse_config):
         except (OSError, ValueError) as e:
             raise FileNotFoundError(f"No tokenizer with the model in {str(source)!r} ({e}); {fix}.") from None
         pattern = SparseAttentionConfig.stored_on(model.config)
+        positions = learned_positions(model)  # (GPT-2's 1,024: its forward takes no longer input)
         if text_file is None and seq_len is None:
-            seq_len = max(4096, pattern.min_seq_len)
+            seq_len = min(max(4096, pattern.min_seq_len), positions or math.inf)
         ids = sample_ids(tokenizer, text_file, seq_len)
+        if positions is not None and ids.shape[1] > positions:
+            raise ValueError(f"{ids.shape[1]:,} tokens to draw, and the model learns {positions:,} positions (its "
+                             "position embeddings): a longer input fails in its forward. Give --max_length "
+                             f"{positions} or less" + (" (the text's last tokens)." if text_file else "."))
         layouts = capture_layouts(model, ids)
     finally:
         if not registered:

@@ -297,8 +297,10 @@ def predict(args: argparse.Namespace, capacity: float, arch: Architecture | None
     arch = architecture(args) if arch is None else arch
     settings = settings_for_length(args, arch)
     budget = args.usable_fraction * capacity
-    longest = longest_length(args, arch, budget)
+    memory_allows = longest_length(args, arch, budget)
+    # (a learned position table bounds what the model's forward takes, whatever the memory: GPT-2's 1,024 tokens)
     margin = longest_length(args, arch, budget / MEASURED_BAND[1])
+    longest, margin = (min(n, arch.max_positions or n) for n in (memory_allows, margin))
     lora = settings(1).lora
     report = {"model": model_name(args), "parameters": arch.params,
               "lora": None if lora is None else {"rank": lora.rank, "targets": list(lora.targets),
@@ -308,10 +310,11 @@ def predict(args: argparse.Namespace, capacity: float, arch: Architecture | None
               "usable_bytes": budget,
               "settings": {k: v for k, v in vars(args).items() if k not in ("json", "quiet", "seq_len")},
               "longest_fitting_tokens": longest, "longest_fitting_tokens_at_band_top": margin,
+              "max_positions": arch.max_positions, "memory_allows_tokens": memory_allows,
               "measured_band": MEASURED_BAND, "prediction": True, "lengths": {}}
     for n in sorted({*args.seq_len, *([longest] if longest else [])}):
         est = predict_step_memory(arch, n, settings(n))
-        report["lengths"][n] = {**est.to_dict(), "fits": est.peak_bytes <= budget,
+        report["lengths"][n] = {**est.to_dict(), "fits": est.peak_bytes <= budget and n <= (arch.max_positions or n),
                                 "terms_bytes": est.terms(), "token_tiles": settings(n).savers.tiled,
                                 "gradient_checkpointing": settings(n).gradient_checkpointing}
     return report
@@ -437,6 +440,10 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
         print(f"Without token tiles: training runs them on the Llama-like families' modules only and refuses them for "
               f"{report['model']}, which trains with --sparse_token_tiling_min_length 0.")
     low, high = MEASURED_BAND
+    if arch.max_positions and report["memory_allows_tokens"] > arch.max_positions:
+        print(f"{report['model']} takes at most {arch.max_positions:,} tokens (its learned position embeddings hold "
+              f"{arch.max_positions:,} positions; a longer sequence fails in its forward): the memory alone would "
+              f"allow {report['memory_allows_tokens']:,}.")
     if longest:
         margin = report["longest_fitting_tokens_at_band_top"]
         # An answer within one step of the search's limit is bounded by the limit, not by the memory: say so.
@@ -451,9 +458,11 @@ def main(argv: list[str] | None = None, prog: str = "hf-sparse-cp memory") -> di
     else:
         print(_nothing_fits(args, arch, budget))
     for n, r in report["lengths"].items():
+        beyond = f": beyond its {arch.max_positions:,} positions" if n > (arch.max_positions or n) else ""
         terms = ", ".join(f"{t} {_gb(b)}" for t, b in list(r["terms_bytes"].items())[:5])
         print(f"  {n:,} tokens: peak {_gb(r['peak_gib'] * GIB)} in {r['peak_phase']} "
               f"({'fits' if r['fits'] else 'does not fit'}{', token tiles' if r['token_tiles'] else ''}"
-              f"{'' if r['gradient_checkpointing'] else _unchecked(r['fits'], args.offload_layer_inputs)}); "
+              f"{'' if r['gradient_checkpointing'] or beyond else _unchecked(r['fits'], args.offload_layer_inputs)}"
+              f"{beyond}); "
               f"largest terms: {terms}; layout rows {r['layout_width']}")
     return report

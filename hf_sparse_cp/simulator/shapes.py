@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..config.model_fields import EXPERT_COUNTS, decoder_layers, language_config
+from ..config.model_fields import EXPERT_COUNTS, decoder_layers, language_config, learned_positions
 
 # The fields of a decoder's config the predictions read (transformers' standard names; the MLP's width also under
 # GPT-2's `n_inner`, `intermediate_width`).
@@ -299,7 +299,8 @@ class ModelShape:
     backward (`activation_saved`; SiLU: its input and output), and which layers attend within a sliding window
     (`windows`, `layer_windows`). A mixture of experts (`experts` > 0, `MOE_FAMILIES`): each layer's MLP is `experts`
     gated MLPs of width `intermediate`, `experts_per_token` of them run for each token, beside `moe_weights` (the
-    router's, a shared expert's)."""
+    router's, a shared expert's). `max_positions`: the positions a learned position table holds, the longest sequence
+    the model's forward takes (GPT-2's 1,024; None: positions computed, as RoPE's)."""
 
     name: str
     layers: int
@@ -316,6 +317,7 @@ class ModelShape:
     experts: int = 0  # routed experts per layer (0: one dense MLP)
     experts_per_token: int = 0
     moe_weights: int = 0  # the MoE block's matrix weights besides the routed experts' (router, shared expert)
+    max_positions: int | None = None
 
     @property
     def mlp_matrices(self) -> int:
@@ -390,7 +392,7 @@ class ModelShape:
             (gated, activation), width, moe = mlp_form(model, config, where), intermediate_width(config), {}
         shape = cls(name or config.model_type, config.num_hidden_layers, config.hidden_size, heads, kv_heads,
                     head_dim, width, config.vocab_size, f"config.json of model_type {config.model_type!r}", gated,
-                    activation, windows, **moe)
+                    activation, windows, **moe, max_positions=learned_positions(model))
         shape.check_matrices(model, where)
         return shape
 

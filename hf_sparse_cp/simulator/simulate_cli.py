@@ -217,6 +217,10 @@ def parse_args(argv=None, prog: str | None = None) -> argparse.Namespace:
         model = model_shape(args, MODELS)
     except ValueError as e:  # (a --config it cannot read, naming the file and the field)
         p.error(str(e))
+    beyond = [seq for seq in args.seq if seq > (model.max_positions or seq)]
+    if beyond:  # (its forward refuses them whatever the time)
+        p.error(f"--seq {beyond[0]}: {model_name(args)} takes at most {model.max_positions:,} tokens (its learned "
+                "position embeddings); give lengths up to that, or a model whose positions are computed (RoPE).")
     if args.dense_first_layers > model.layers:  # (predict_step refuses it, as a traceback, after the first rows)
         p.error(f"--dense-first-layers {args.dense_first_layers}: {model_name(args)} has {model.layers} layers; give "
                 f"at most {model.layers} (all of them dense).")

@@ -290,6 +290,26 @@ def test_plot_refuses_layers_the_model_does_not_have(run_dir, tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+def test_plot_draws_a_learned_position_models_layouts_within_its_positions(run_dir, tmp_path, capsys):
+    """#50: the layouts of a GPT-2 run (learned positions) were drawn for the default 4,096-token sample, past its
+    table, and `plot` ended in the forward's 'IndexError: index out of range in self': the default sample is cut to
+    the model's positions, and a --max_length past them is refused naming the most it takes."""
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoint-3"
+    shutil.copytree(run_dir / "checkpoint-3", checkpoint)
+    for weights in checkpoint.glob("model*.safetensors"):
+        weights.unlink()
+    AutoModelForCausalLM.from_config(tiny_config("gpt2", vocab_size=len(byte_tokenizer()), n_positions=64)
+                                     ).save_pretrained(checkpoint)
+    with pytest.raises(SystemExit):
+        main(["plot", str(run), "--only", "layouts", "--max_length", "128", "--out_dir", str(tmp_path / "out")])
+    assert ("128 tokens to draw, and the model learns 64 positions (its position embeddings): a longer input fails "
+            "in its forward. Give --max_length 64 or less.") in capsys.readouterr().err
+    main(["plot", str(run), "--only", "layouts", "--out_dir", str(tmp_path / "out")])
+    assert (tmp_path / "out" / LAYOUTS_PLOT).read_bytes().startswith(PNG)
+
+
 def test_plot_of_a_model_saved_without_its_tokenizer_names_both_ways_out(run_dir, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     copy = tmp_path / "run" / "checkpoint-3"

@@ -71,7 +71,8 @@ def test_simulate_takes_any_config_and_a_custom_cluster(tmp_path, monkeypatch, c
     assert "A100 costs x 624/312 (--gpu-tflops" in custom["calibration"]["sources"]["scaling"]
     dense = [r["step_s"] for r in (preset["rows"][0], custom["rows"][0])]
     assert dense[0] != dense[1]
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))  # (issue #50: refused, naming no width)
+    # (issue #50: refused, naming no width; its learned positions reach the length, as GPT-2's 1,024 would not)
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 32768}))
     gpt2 = simulate_cli.main(base)["model"]  # its MLP: n_inner (None: 4 x n_embd), two matrices
     assert (gpt2["hidden"], gpt2["intermediate"], gpt2["gated"]) == (768, 3072, False)
     (folder / "config.json").write_text(json.dumps({  # Gemma 3 270M: 15 of its 18 layers attend within 512 tokens

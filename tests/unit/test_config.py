@@ -182,6 +182,8 @@ def test_a_config_saved_before_the_mode_only_fields_loads_as_it_ran(caplog):
         ({"layer_overrides": {"x-y": {"pattern": "dense"}}}, "not a layer index"),
         ({"layer_overrides": {"0": {"colour": 1}}}, "unknown fields"),
         ({"layer_overrides": "{not json"}, "not valid JSON"),
+        ({"layer_overrides": '{"0": {"pattern": "dense"}, "0": {"block_size": 32}}'},
+         r"not valid JSON \(key '0' is given twice in one mapping .*keep one\)"),
         ({"layer_overrides": {"1-0": {"pattern": "dense"}}}, "reversed range.*'0-1'"),
         ({"layer_overrides": {"2": {"block_size": 100}}},
          r"layer_overrides\['2'\]: block_size \(--sparse_block_size\)=100 must be a power"),
@@ -383,6 +385,26 @@ def test_file_errors_name_the_file_and_the_field(tmp_path, monkeypatch, name, te
     Path(name).write_text(text)
     with pytest.raises(ValueError, match=match):
         SparseAttentionConfig.from_file(name)
+
+
+@pytest.mark.parametrize("name, text, match", [
+    ("twice.yaml", "block_size: 32\nvertical_topk: 4\nblock_size: 64\n",
+     r"(?s)'twice.yaml' is not valid YAML: .*found key 'block_size' again \(first on line 1\): keep one.*line 3"),
+    ("section.yaml", "budget:\n  mode: topk\n  vertical_topk: 4\n  vertical_topk: 8\n",
+     r"(?s)'section.yaml' is not valid YAML: .*found key 'vertical_topk' again \(first on line 3\)"),
+    ("twice.json", '{"scoring": {"last_q": 16, "last_q": 64}}',
+     r"'twice.json' is not valid JSON: key 'last_q' is given twice in one mapping \(16 and 64\): keep one"),
+], ids=["yaml", "yaml-section", "json-section"])
+def test_a_key_given_twice_in_one_mapping_of_a_file_is_refused(tmp_path, monkeypatch, name, text, match):
+    """A file giving one key twice in a mapping (an edit that added a field already set above) trained with the
+    last value, the first dropped without a word (PyYAML and json keep the last): refused, naming the key and, for
+    YAML, both lines. A key a YAML merge (`<<: *anchor`) brings in may still be set again beside it."""
+    monkeypatch.chdir(tmp_path)
+    Path(name).write_text(text)
+    with pytest.raises(ValueError, match=match):
+        SparseAttentionConfig.from_file(name)
+    Path("merge.yaml").write_text("base: &base\n  block_size: 32\nsparse_attention:\n  <<: *base\n  block_size: 64\n")
+    assert SparseAttentionConfig.from_file("merge.yaml").block_size == 64
 
 
 @pytest.mark.parametrize("name", ["weights.json", "weights.yaml"])

@@ -504,6 +504,44 @@ def test_the_memory_command_reads_two_matrix_and_gpt2_style_configs(tmp_path, ca
     assert answers["gpt2"]["parameters"] == 124_439_808 and answers["gpt2"]["longest_fitting_tokens"] > 0
 
 
+@pytest.mark.parametrize("model_type, fields, positions", [
+    ("gpt2", dict(n_layer=2, n_embd=64, n_head=4, n_inner=128, n_positions=512, vocab_size=300), 512),
+    ("gpt_bigcode", dict(n_layer=2, n_embd=64, n_head=4, n_inner=128, n_positions=512, vocab_size=300), 512),
+    ("llama", dict(TINY_LLAMA, max_position_embeddings=512), None),
+])
+def test_the_memory_command_answers_no_longer_than_a_learned_position_table(tmp_path, capsys, model_type, fields,
+                                                                            positions):
+    """`memory --config` of a GPT-2 (1,024 learned positions) answered 107,520 tokens on 80 GB, a length its forward
+    refuses (IndexError: its position table ends at 1,024); the answer is the table's length where the memory
+    allows more, saying so, and a --seq-len beyond it does not fit. RoPE's max_position_embeddings bounds nothing."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": model_type, **fields}))
+    cli_main(["memory", "--config", str(tmp_path / "model"), "--gpu-memory", "80GB", "--seq-len", "1024",
+              "--json", str(tmp_path / "answer.json")])
+    said, answer = capsys.readouterr().out, json.loads((tmp_path / "answer.json").read_text())
+    assert answer["max_positions"] == positions and answer["memory_allows_tokens"] > 1024
+    if positions is None:
+        assert answer["longest_fitting_tokens"] == answer["memory_allows_tokens"] and answer["lengths"]["1024"]["fits"]
+        return
+    assert answer["longest_fitting_tokens"] == answer["longest_fitting_tokens_at_band_top"] == positions
+    assert not answer["lengths"]["1024"]["fits"] and "(does not fit: beyond its 512 positions)" in said
+    assert "takes at most 512 tokens (its learned position embeddings hold 512 positions" in said
+    cli_main(["memory", "--config", str(tmp_path / "model"), "--gpu-memory", "80GB", "--quiet"])
+    assert capsys.readouterr().out == "512\n"
+
+
+def test_a_learned_position_table_counts_its_positions_not_its_offset():
+    """OPT's and BioGPT's tables hold 2 rows before position 0 (their `offset`): 514 rows are 512 positions."""
+    from transformers import OPTConfig
+
+    from hf_sparse_cp.config.model_fields import learned_positions
+    from hf_sparse_cp.simulator.shapes import meta_model
+
+    config = OPTConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, ffn_dim=128,
+                       word_embed_proj_dim=64, max_position_embeddings=512, vocab_size=300)
+    assert learned_positions(meta_model(config, "opt")) == 512
+
+
 def test_the_memory_command_tiles_tokens_only_where_training_does(tmp_path, capsys):
     """Issue #50: `memory` sized every config with token tiles from 32K tokens, where training refuses them for a
     model outside the Llama-like families (a GPT-NeoX's LayerNorms and MLP: `memory_savers.rowwise_modules`); it now

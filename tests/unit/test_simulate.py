@@ -551,6 +551,8 @@ def test_every_argument_is_checked_before_anything_prints_and_refused_as_argpars
     (tmp_path / "bad.json").write_text("{}")
     (tmp_path / "a_file").write_text("")
     (tmp_path / "bert.json").write_text('{"model_type": "bert", "hidden_size": 64}')
+    (tmp_path / "gpt2.json").write_text('{"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "n_inner": '
+                                        '128, "n_positions": 4096, "vocab_size": 300}')
     for argv, message in [
         # an output path that cannot be written: refused before minutes of simulation, not a traceback after them
         (["--seq", "8192", "--cp", "2", "--png", str(tmp_path / "a_file" / "x.png")],
@@ -568,6 +570,10 @@ def test_every_argument_is_checked_before_anything_prints_and_refused_as_argpars
          f"--config {tmp_path / 'bad.json'}: no model_type"),
         (["--seq", "8192", "--cp", "2", "--config", str(tmp_path / "bert.json")],  # (one reader: memory's, simulate's)
          f"--config {tmp_path / 'bert.json'}: model_type 'bert' is an encoder"),
+        # a length past a learned position table, which the model's forward refuses (GPT-2's: 1,024 positions)
+        (["--seq", "4096", "8192", "--cp", "2", "--config", str(tmp_path / "gpt2.json")],
+         f"--seq 8192: {tmp_path.name} takes at most 4,096 tokens (its learned position embeddings); give lengths up "
+         "to that"),
     ]:
         with pytest.raises(SystemExit) as refused:
             simulate_cli.main([*argv, "--no-mtraining"], prog="hf-sparse-cp simulate")

@@ -107,6 +107,11 @@ class Architecture:
         return self.shape.name
 
     @property
+    def max_positions(self) -> int | None:
+        """The positions a learned position table holds (`ModelShape.max_positions`), or None."""
+        return self.shape.max_positions
+
+    @property
     def layer_params(self) -> int:
         """Parameters of one decoder layer: its matrices, biases and norm weights."""
         return self.shape.layer_params + self.layer_extra
@@ -169,6 +174,7 @@ class Architecture:
         return cls(shape, tied, layer - shape.layer_params, rest, lean,
                    largest if largest > shape.vocab * shape.hidden else 0, saved,
                    config.model_type in LORA_FAMILIES and _llama_matrices(layers[0], shape))
+
 
 
 def _llama_matrices(layer: torch.nn.Module, shape: ModelShape) -> bool:
