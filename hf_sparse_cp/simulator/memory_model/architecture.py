@@ -176,7 +176,6 @@ class Architecture:
                    config.model_type in LORA_FAMILIES and _llama_matrices(layers[0], shape))
 
 
-
 def _llama_matrices(layer: torch.nn.Module, shape: ModelShape) -> bool:
     """Whether `layer`'s matrices are a Llama layer's of `shape` (`Architecture.lora_layers`): one of each name of
     `lora.MODULE_INPUTS`, of its (in, out) features, and no other (a fused q/k/v, fc1/fc2, a mixture's experts)."""
