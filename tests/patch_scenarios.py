@@ -82,7 +82,8 @@ def attach() -> Iterator:
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _sparse_trainer(tmp)
-        yield [(trainer, "train"), (trainer, "_save_optimizer_and_scheduler"), (trainer, "training_step"),
+        yield [(trainer, "train"), (trainer, "_save_optimizer_and_scheduler"), (trainer, "_save_checkpoint"),
+               (trainer, "training_step"),
                (trainer, "evaluation_loop"), (trainer.callback_handler, "callbacks"),
                (trainer.accelerator, "prepare_model")]
         attach_to_trainer(trainer, SparseCPArguments(sparse_attention=True))
@@ -189,15 +190,19 @@ def sparse_attention() -> Iterator:
 
 
 def settings_during_a_call() -> Iterator:
-    """What CP's compute_loss wrapper has the Trainer read during one call (`patching.temporarily`): the token count's
-    form (--average_tokens_across_devices on), and TRL's accumulation steps for its MoE aux term (1)."""
+    """What the plugin has the Trainer read during one call (`patching.temporarily`): in CP's compute_loss wrapper the
+    token count's form (--average_tokens_across_devices on) and TRL's accumulation steps for its MoE aux term (1); in
+    a checkpoint's save no --save_total_limit (`checkpoints.defer_rotation`)."""
     from hf_sparse_cp.integration.patching import temporarily
 
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(model=torch.nn.Linear(2, 2), args=_args(tmp, average_tokens_across_devices=False))
-        yield [(trainer.args, "average_tokens_across_devices"), (trainer, "current_gradient_accumulation_steps")]
+        trainer = Trainer(model=torch.nn.Linear(2, 2),
+                          args=_args(tmp, average_tokens_across_devices=False, save_total_limit=2))
+        yield [(trainer.args, "average_tokens_across_devices"), (trainer, "current_gradient_accumulation_steps"),
+               (trainer.args, "save_total_limit")]
         with temporarily(trainer.args, "average_tokens_across_devices", True), \
-                temporarily(trainer, "current_gradient_accumulation_steps", 1):
+                temporarily(trainer, "current_gradient_accumulation_steps", 1), \
+                temporarily(trainer.args, "save_total_limit", None):
             yield
 
 
@@ -356,8 +361,9 @@ def kv_sharing() -> Iterator:
 
 ONE_PROCESS = {
     ("transformers.Trainer.train", "transformers.Trainer._save_optimizer_and_scheduler",
-     "transformers.Trainer.training_step", "transformers.Trainer.evaluation_loop",
-     "transformers.trainer_callback.CallbackHandler.callbacks", "accelerate.Accelerator.prepare_model"): attach,
+     "transformers.Trainer._save_checkpoint", "transformers.Trainer.training_step",
+     "transformers.Trainer.evaluation_loop", "transformers.trainer_callback.CallbackHandler.callbacks",
+     "accelerate.Accelerator.prepare_model"): attach,
     ("transformers.trainer_jit_checkpoint.CheckpointManager._enable_checkpoint",): jit_checkpoint,
     ("transformers.Trainer._load_from_checkpoint", "transformers.Trainer._load_optimizer_and_scheduler"):
         resharded_loading,
@@ -373,7 +379,8 @@ ONE_PROCESS = {
     ("transformers.TrainingArguments.ddp_find_unused_parameters",
      "accelerate.utils.DistributedDataParallelKwargs.find_unused_parameters"): unused_parameters,
     ("transformers.TrainingArguments.average_tokens_across_devices",
-     "transformers.Trainer.current_gradient_accumulation_steps"): settings_during_a_call,
+     "transformers.Trainer.current_gradient_accumulation_steps", "transformers.TrainingArguments.save_total_limit"):
+        settings_during_a_call,
     ("transformers.Trainer.accelerator", *(f"trl.trainer.{trainer.lower()}_trainer.{name}" for trainer in GENERATING
                                            for name in ("gather", "gather_object"))): seen_data_parallel,
     ("peft.AdaLoraConfig.orth_reg_weight",): adapter_regularizer,

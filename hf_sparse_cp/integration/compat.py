@@ -55,6 +55,7 @@ TRAINER_COLLATOR_WITHOUT_UNUSED = "_get_collator_with_removed_columns"
 TRAINER_LOAD_MODEL = "_load_from_checkpoint"
 TRAINER_LOAD_OPTIMIZER = "_load_optimizer_and_scheduler"
 TRAINER_SAVE_OPTIMIZER = "_save_optimizer_and_scheduler"
+TRAINER_SAVE_CHECKPOINT = "_save_checkpoint"
 TRAINER_LOAD_RNG = "_load_rng_state"
 
 # What an entry does to its member.
@@ -188,6 +189,16 @@ PATCHES = (
           ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval")),
     Patch(_TRAINER, TRAINER_SAVE_OPTIMIZER, "replaces", "under FSDP2 the sharded state is saved instead of "
           "accelerate's gathered copies", "detach_from_trainer(trainer)", ("self", "output_dir")),
+    Patch(_TRAINER, TRAINER_SAVE_CHECKPOINT, "replaces", "the checkpoints past --save_total_limit are deleted once "
+          "the new one is complete on every rank (`trainer.checkpoints.defer_rotation`), where the Trainer deleted "
+          "them as its first process had saved, before the other ranks had", "detach_from_trainer(trainer)",
+          ("self", "model", "trial")),
+    Patch("transformers.TrainingArguments", "save_total_limit", "sets", "the Trainer's own deletion of old "
+          "checkpoints, inside its save, reads no limit during that call (`trainer.checkpoints.defer_rotation`)",
+          "the end of the call (`integration.patching.temporarily`)"),
+    Patch("transformers.trainer_utils", "rotate_checkpoints", "calls", "the checkpoints past --save_total_limit are "
+          "deleted once the new one is marked complete (`trainer.checkpoints.CheckpointMarkerCallback`)",
+          parameters=("output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime", "checkpoint_prefix")),
     Patch(_TRAINER, TRAINER_LOAD_MODEL, "replaces", "while a resume loads the sharded state, the model comes from "
           "it (no public hook: callbacks run after loading)", "the end of `resharding.resume.resharded_loading`",
           ("self", "resume_from_checkpoint", "model")),

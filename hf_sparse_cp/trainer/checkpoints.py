@@ -44,7 +44,8 @@ from typing import Any
 import torch
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_SAFE_WEIGHTS_NAME,
@@ -110,7 +111,8 @@ def _write(path: Path, content: dict) -> None:
 
 
 class CheckpointMarkerCallback(TrainerCallback):
-    """Marks each checkpoint in progress before it is saved and complete once every rank saved it.
+    """Marks each checkpoint in progress before it is saved and complete once every rank saved it, and only then
+    deletes the checkpoints `--save_total_limit` lets go (`defer_rotation`).
     Must come after transformers' flow callback, which decides at each step or epoch end whether to
     save (a save decided after an evaluation, `save_strategy="best"`, gets only the final marker)."""
 
@@ -140,6 +142,26 @@ class CheckpointMarkerCallback(TrainerCallback):
                                      "settings": run_settings(self.trainer, self.parallel, self.cp_schedule),
                                      "files": files, "longest_trained": longest,
                                      "model_only": bool(args.save_only_model)})
+            rotate_checkpoints(output_dir=str(folder.parent), save_total_limit=args.save_total_limit,
+                               best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
+
+
+def defer_rotation(trainer: Trainer, patches: PatchSet) -> None:
+    """The Trainer deletes the checkpoints past `--save_total_limit` as its first process has written its own files
+    of a new one, before the other ranks have written theirs: a rank failing then (its disk full, its node lost) left
+    only the new checkpoint, incomplete, which a resume refuses, and the complete one before it deleted. `trainer`
+    saves with no limit, and `CheckpointMarkerCallback` deletes them once every rank has saved; recorded in
+    `patches`."""
+    save_checkpoint = getattr(trainer, compat.TRAINER_SAVE_CHECKPOINT)
+
+    def save(*args, **kwargs):
+        with temporarily(trainer.args, "save_total_limit", None):
+            save_checkpoint(*args, **kwargs)
+        folder = Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+        if trainer.args.should_save and (folder / TRAINING_ARGS_NAME).exists():  # (the arguments as the run has them)
+            torch.save(trainer.args, folder / TRAINING_ARGS_NAME)
+
+    patches.set_attr(trainer, compat.TRAINER_SAVE_CHECKPOINT, save)
 
 
 class AgreedJitCheckpoint(TrainerCallback):
@@ -766,6 +788,7 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
     checked are the schedule and the world size instead of the CP and DP degrees."""
     callbacks = trainer.callback_handler.callbacks
     sharded_saving(trainer, patches)  # (its files are in the marker's list)
+    defer_rotation(trainer, patches)
     marker = CheckpointMarkerCallback(trainer, parallel, cp_schedule)
     patches.insert(trainer.callback_handler, "callbacks", len(callbacks), marker)
     manager = next((c.jit_manager for c in callbacks if getattr(c, "jit_manager", None) is not None), None)

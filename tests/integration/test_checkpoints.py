@@ -696,8 +696,8 @@ def test_every_node_that_saves_marks_its_checkpoint(tmp_path):
     (tmp_path / "checkpoint-2" / "model.safetensors").write_bytes(b"x" * 10)
     (tmp_path / "checkpoint-2" / MARKER).with_suffix(".123.tmp").write_text("{")  # (another node's, being written)
     # a second node's first process
-    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True, save_only_model=False)
-    state = SimpleNamespace(global_step=2, is_world_process_zero=False)
+    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True, save_only_model=False, save_total_limit=None)
+    state = SimpleNamespace(global_step=2, is_world_process_zero=False, best_model_checkpoint=None)
     marker.on_step_end(args, state, SimpleNamespace(should_save=True))
     assert json.loads((tmp_path / "checkpoint-2" / MARKER).read_text()) == {"complete": False, "step": 2}
     marker.on_save(args, state, None)
