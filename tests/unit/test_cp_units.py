@@ -195,6 +195,20 @@ def test_flattened_packing_with_several_rows_is_refused():
                                         ParallelDims.single(), block_size=16)
 
 
+@pytest.mark.parametrize("key, shape, fix", [("input_ids", (60,), r"\[batch, sequence\]; got \(60,\) \(one row: add "
+                                                                  r"the batch dimension, x\[None\]\)\.$"),
+                                             ("input_ids", (1, 1, 60), r"\[batch, sequence\]; got \(1, 1, 60\)\.$"),
+                                             ("inputs_embeds", (60, 8), r"\[batch, sequence, hidden\]; got \(60, 8\) "
+                                                                        r"\(one row: add the batch dimension"),
+                                             ("input_ids", (2, 0), r"input_ids \(2, 0\) hold no token")])
+def test_a_batch_not_of_rows_of_tokens_is_refused_naming_its_shape(key, shape, fix):
+    """1-D ids failed as 'not enough values to unpack' (an IndexError under CP 2, in the same-batch check); 3-D ids
+    were split along their second dimension as embeddings are, 16 'tokens' of a 1-token row."""
+    x = torch.ones(shape, dtype=torch.long if key == "input_ids" else torch.float32)
+    with pytest.raises(ValueError, match=fix):
+        prepare_context_parallel_inputs({key: x}, ParallelDims.single(), block_size=16)
+
+
 def test_padding_between_the_tokens_of_a_row_is_refused_naming_the_row_and_the_fix():
     """A mask with a hole (left padding after PEFT prompt tuning's virtual tokens) cut its row's document in two:
     under CP 2 the tokens after the hole did not see those before it (loss 4.2385 against sdpa's 4.2502)."""
