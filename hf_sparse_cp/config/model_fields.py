@@ -31,15 +31,18 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def learned_positions(model: torch.nn.Module) -> int | None:
     """The positions `model`'s learned position table holds, the longest sequence its forward takes: an embedding named
-    for positions beside the input embedding (GPT-2's `wpe`, OPT's `embed_positions`, less the `offset` rows OPT's and
-    BioGPT's tables hold before position 0); None without one (RoPE's positions are computed: no bound)."""
+    for positions beside the input embedding (GPT-2's `wpe`, OPT's `embed_positions`), less the rows before position
+    0 (OPT's and BioGPT's `offset` of 2; RoBERTa's family numbers positions from its `padding_idx` + 1); None without
+    one (Llama's RoPE computes its positions: no bound; GPT-J's, CodeGen's and CTRL's fixed tables of sines are
+    buffers, not read here)."""
     import torch
 
     try:
         tokens = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):  # (a module of the caller's own, not a transformers model)
         tokens = None
-    sizes = [module.num_embeddings - getattr(module, "offset", 0) for name, module in model.named_modules()
+    sizes = [module.num_embeddings - getattr(module, "offset", 0)
+             - (0 if module.padding_idx is None else module.padding_idx + 1) for name, module in model.named_modules()
              if isinstance(module, torch.nn.Embedding) and module is not tokens
              and any(word in name.rsplit(".", 1)[-1] for word in ("pos", "wpe"))]
     return min(sizes) if sizes else None

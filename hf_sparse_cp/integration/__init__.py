@@ -23,7 +23,7 @@ calls through them (`upstream.py`).
 * `kernel_routing.py`: modules routing functions through the Hub's `kernels` package skip it while none is
   kernelized (a compiled, activation-checkpointed layer then traces whole);
 * `stats.py`: the per-layer kept fraction the backend records;
-* `adapters.py`: whether a model trains a PEFT adapter, however it was added (the checks' one test);
+* `adapters.py`: whether a model trains a PEFT adapter, however it was added (what the checkpoint checks count as one);
 * `given.py`: the public entry points' first argument checked for its type (a TypeError naming what to pass);
 * `patching.py`: `PatchSet`, the recorder every change to someone else's object goes through;
 * `compat.py`: every private transformers / accelerate / torch / Triton member we use, and every

@@ -1,4 +1,4 @@
-"""Whether a model trains a PEFT adapter, however the adapter was added: the one test the plugin's checks share."""
+"""Whether a model trains a PEFT adapter, however the adapter was added (what the checkpoint checks count as one)."""
 
 from __future__ import annotations
 

@@ -181,8 +181,9 @@ def check_auto_wrap_policy(model: torch.nn.Module, plugin: FullyShardedDataParal
             raise ValueError("FSDP's own activation checkpointing (activation_checkpointing) checkpoints the modules "
                              "the auto-wrap policy wraps, and none is set (accelerate's prepare failed: 'NoneType' "
                              "object is not callable): set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP in the "
-                             "accelerate config (FSDP_AUTO_WRAP_POLICY), or transformer_layer_cls_to_wrap in "
-                             "--fsdp_config; or drop activation_checkpointing and set --gradient_checkpointing.")
+                             "accelerate config (FSDP_AUTO_WRAP_POLICY), or \"auto_wrap_policy\": "
+                             "\"TRANSFORMER_BASED_WRAP\" in --fsdp_config (its default; NO_WRAP wraps nothing); or "
+                             "drop activation_checkpointing and set --gradient_checkpointing.")
         return
     layers = ", ".join(getattr(model, "_no_split_modules", None) or []) or "see the model's decoder layer class"
     try:

@@ -40,7 +40,6 @@ import torch
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from ..config import BACKEND_NAME, MODEL_CONFIG_ATTRIBUTE, SparseAttentionConfig
-from ..config.model_fields import learned_positions
 from ..distributed import quiesce_process_groups, settle_gloo_workers
 from ..distributed.mesh import every_rank_at_exit
 from ..integration import upstream
@@ -289,20 +288,6 @@ def _refuse_dequantized_gguf(trainer: str, model: Any) -> None:
         "LoRA adapter), as `hf-sparse-cp train --model_name_or_path <file>.gguf` does.")
 
 
-def _refuse_rows_past_learned_positions(model: Any, dataset) -> None:
-    """Raise ValueError naming the fix where the first training row is longer than the model's learned position table
-    (GPT-2's 1,024 positions): its forward would end in an IndexError, on every rank under CP."""
-    length = _first_length(dataset)
-    positions = learned_positions(model) if isinstance(model, torch.nn.Module) and length else None
-    if positions is not None and length > positions:
-        model_type = getattr(getattr(model, "config", None), "model_type", "?")
-        raise ValueError(
-            f"The first training row holds {length:,} tokens, and {type(model).__name__} (model type {model_type!r}) "
-            f"learns {positions:,} positions (its position embeddings): a longer row fails in its forward. Cut the "
-            "rows to at most that many tokens (--sparse_max_length, run_clm.py's --block_size, TRL's --max_length), "
-            "or train a model whose positions are computed (RoPE).")
-
-
 # TRL SFTConfig's packing settings (`_packing_kept_under_accelerates_cp`)
 _TRL_PACKING = ("packing", "eval_packing")
 
@@ -342,7 +327,6 @@ class SparseTrainerMixin:
         with flag_errors():  # (the user's: a launched script ends with the message alone)
             _refuse_empty_datasets(type(self).__name__, kwargs)
             _refuse_dequantized_gguf(type(self).__name__, model)
-            _refuse_rows_past_learned_positions(model, kwargs.get("train_dataset"))
             if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
                 # CP in a lone process (a script building its arguments in code, the flags before its path, which no
                 # parser checked), before the model is set up; a group the caller joined itself is checked on it

@@ -143,7 +143,8 @@ def test_fsdp_activation_checkpointing_without_an_auto_wrap_policy_is_refused_na
             assert len(errors) == 1 and re.match(
                 r"^FSDP's own activation checkpointing \(activation_checkpointing\) checkpoints the modules the "
                 r"auto-wrap policy wraps, and none is set .*: set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP in "
-                r"the accelerate config \(FSDP_AUTO_WRAP_POLICY\), or transformer_layer_cls_to_wrap in --fsdp_config; "
-                r"or drop activation_checkpointing and set --gradient_checkpointing\.$", errors[0]), errors
+                r"the accelerate config \(FSDP_AUTO_WRAP_POLICY\), or \"auto_wrap_policy\": \"TRANSFORMER_BASED_WRAP\" "
+                r"in --fsdp_config \(its default; NO_WRAP wraps nothing\); or drop activation_checkpointing and set "
+                r"--gradient_checkpointing\.$", errors[0]), errors
         else:
             assert errors == []

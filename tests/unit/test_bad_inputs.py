@@ -648,24 +648,6 @@ def test_the_trainers_name_an_empty_dataset(tmp_path, kind):
         trainer_class(model=model, args=args, train_dataset=full, eval_dataset={"seen": full, "held_out": empty})
 
 
-def test_a_row_longer_than_the_models_learned_positions_is_refused_naming_the_fix(tmp_path):
-    """A run_clm.py --block_size above GPT-2's n_positions ended in its forward's 'IndexError: index out of range in
-    self', a traceback from every rank under CP: the first row's length is checked against the learned position table
-    as the Trainer is built; a row that fits trains."""
-    from transformers import AutoModelForCausalLM
-
-    from hf_sparse_cp import SparseTrainer, SparseTrainingArguments
-    from hf_sparse_cp.testing.tiny_models import tiny_config
-
-    args = SparseTrainingArguments(output_dir=str(tmp_path), report_to="none", max_steps=1, sparse_block_size=16)
-    model = AutoModelForCausalLM.from_config(tiny_config("gpt2", vocab_size=97, n_positions=32))
-    with pytest.raises(ValueError, match=r"^The first training row holds 33 tokens, and GPT2LMHeadModel \(model type "
-                                         r"'gpt2'\) learns 32 positions .*--block_size"):
-        SparseTrainer(model=model, args=args, train_dataset=[{"input_ids": torch.arange(3, 36)}])
-    rows = [{"input_ids": torch.arange(3, 35), "labels": torch.arange(3, 35)}]
-    SparseTrainer(model=model, args=args, train_dataset=rows).train()
-
-
 def _train_command_error(capsys, argv: list[str]) -> str:
     from hf_sparse_cp.cli import main
 

@@ -513,7 +513,7 @@ def test_the_memory_command_answers_no_longer_than_a_learned_position_table(tmp_
                                                                             positions):
     """`memory --config` of a GPT-2 (1,024 learned positions) answered 107,520 tokens on 80 GB, a length its forward
     refuses (IndexError: its position table ends at 1,024); the answer is the table's length where the memory
-    allows more, saying so, and a --seq-len beyond it does not fit. RoPE's max_position_embeddings bounds nothing."""
+    allows more, saying so, and a --seq-len beyond it does not fit. Llama's RoPE, computed, bounds nothing."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": model_type, **fields}))
     cli_main(["memory", "--config", str(tmp_path / "model"), "--gpu-memory", "80GB", "--seq-len", "1024",
@@ -540,6 +540,23 @@ def test_a_learned_position_table_counts_its_positions_not_its_offset():
     config = OPTConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, ffn_dim=128,
                        word_embed_proj_dim=64, max_position_embeddings=512, vocab_size=300)
     assert learned_positions(meta_model(config, "opt")) == 512
+
+
+def test_a_roberta_position_table_counts_the_positions_after_its_padding_index():
+    """RoBERTa's family numbers positions from padding_idx + 1: a table of 66 rows with padding_idx 1 takes 64
+    tokens, and its forward fails at 65 (it was read as 66)."""
+    import torch
+    from transformers import AutoModelForCausalLM, RobertaConfig
+
+    from hf_sparse_cp.config.model_fields import learned_positions
+
+    config = RobertaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                           max_position_embeddings=66, pad_token_id=1, vocab_size=50, is_decoder=True)
+    model = AutoModelForCausalLM.from_config(config)
+    assert learned_positions(model) == 64
+    model(torch.full((1, 64), 5))
+    with pytest.raises((IndexError, RuntimeError), match="out of"):  # ('index 66 is out of bounds')
+        model(torch.full((1, 65), 5))
 
 
 def test_the_memory_command_tiles_tokens_only_where_training_does(tmp_path, capsys):
