@@ -30,11 +30,11 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def learned_positions(model: torch.nn.Module) -> int | None:
-    """The positions `model`'s learned position table holds, the longest sequence its forward takes: an embedding named
+    """The positions `model`'s position table holds, the longest sequence its forward takes: a learned embedding named
     for positions beside the input embedding (GPT-2's `wpe`, OPT's `embed_positions`), less the rows before position
-    0 (OPT's and BioGPT's `offset` of 2; RoBERTa's family numbers positions from its `padding_idx` + 1); None without
-    one (Llama's RoPE computes its positions: no bound; GPT-J's, CodeGen's and CTRL's fixed tables of sines are
-    buffers, not read here)."""
+    0 (OPT's and BioGPT's `offset` of 2; RoBERTa's family numbers positions from its `padding_idx` + 1), or a fixed
+    table of sines held as a buffer (GPT-J's and CodeGen's rotary `embed_positions`, CTRL's `pos_encoding`); None
+    without one (Llama's RoPE computes its positions: no bound)."""
     import torch
 
     try:
@@ -45,4 +45,7 @@ def learned_positions(model: torch.nn.Module) -> int | None:
              - (0 if module.padding_idx is None else module.padding_idx + 1) for name, module in model.named_modules()
              if isinstance(module, torch.nn.Embedding) and module is not tokens
              and any(word in name.rsplit(".", 1)[-1] for word in ("pos", "wpe"))]
+    sizes += [table.shape[0] for name, table in model.named_buffers()  # (not BERT's integer position_ids [1, S])
+              if "pos" in name.rsplit(".", 1)[-1] and table.dim() == 2 and table.is_floating_point()
+              and table.shape[0] > 1]
     return min(sizes) if sizes else None

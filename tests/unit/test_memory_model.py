@@ -559,6 +559,23 @@ def test_a_roberta_position_table_counts_the_positions_after_its_padding_index()
         model(torch.full((1, 65), 5))
 
 
+@pytest.mark.parametrize("model_type", ["gptj", "codegen", "ctrl"])
+def test_a_fixed_table_of_sines_bounds_the_positions(model_type):
+    """GPT-J's and CodeGen's rotary tables and CTRL's sinusoidal one are buffers of n_positions rows (not computed as
+    Llama's RoPE): their forward fails past them, which memory answered beyond (read as no bound)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_sparse_cp.config.model_fields import learned_positions
+    from hf_sparse_cp.testing.tiny_models import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size=97, max_position_embeddings=64))
+    assert learned_positions(model) == 64
+    model(torch.full((1, 64), 5))
+    with pytest.raises((IndexError, RuntimeError)):
+        model(torch.full((1, 65), 5))
+
+
 def test_the_memory_command_tiles_tokens_only_where_training_does(tmp_path, capsys):
     """Issue #50: `memory` sized every config with token tiles from 32K tokens, where training refuses them for a
     model outside the Llama-like families (a GPT-NeoX's LayerNorms and MLP: `memory_savers.rowwise_modules`); it now
