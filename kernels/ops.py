@@ -226,7 +226,8 @@ def triton_backward(
         raise ValueError(f"dlse must be shaped like lse {tuple(lse.shape)}; got {tuple(dlse.shape)}.")
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    q, k, v, out, dout = (_unit_stride(x) for x in (q, k, v, out, dout))
+    # the kernels multiply dout with v in the inputs' dtype; other engines take a dout of any floating dtype
+    q, k, v, out, dout = (_unit_stride(x) for x in (q, k, v, out, dout.to(q.dtype)))
     split = _split_of(layout, q_tokens, k_tokens, block_size, window, split)
     block_idx, block_cnt, full_cnt, *cols = _kernel_layout(layout, split)
     args = (block_idx, block_cnt, full_cnt, split.partial.contiguous(), *cols,

@@ -82,6 +82,13 @@ def attention_backward(
     Returns:
         (dq [B, Hq, Sq, D], dk, dv [B, Hkv, Sk, D]) in the compute dtype, or the inputs' dtype.
     """
+    # every engine's contract (the reference and the masked form failed deep inside on a misshapen one)
+    shape = tuple(call.q.shape)
+    if (tuple(out.shape), tuple(dout.shape), tuple(lse.shape)) != (shape, shape, shape[:3]) or (
+            dlse is not None and tuple(dlse.shape) != shape[:3]):
+        raise ValueError(f"out and dout must be shaped like q {shape}, lse and dlse {shape[:3]}; got out "
+                         f"{tuple(out.shape)}, dout {tuple(dout.shape)}, lse {tuple(lse.shape)}, dlse "
+                         f"{None if dlse is None else tuple(dlse.shape)}.")
     return ENGINES[resolve_engine(call.q, call.layout, implementation)].backward(call, out, lse, dout, dlse,
                                                                                 deterministic, grads_in_input_dtype)
 

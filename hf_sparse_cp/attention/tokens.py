@@ -68,8 +68,9 @@ class TokenMeta:
             return self
         big = torch.iinfo(torch.int64).max // 2
         b = self.index.shape[0]
+        # int64 whatever index dtype came in: the padding's index does not fit an int32 one
         index = torch.cat(
-            [self.index, torch.full((b, extra), big, dtype=self.index.dtype, device=self.index.device)], 1
+            [self.index.long(), torch.full((b, extra), big, dtype=torch.int64, device=self.index.device)], 1
         )
         seg = torch.cat(
             [self.segment, torch.full((b, extra), PAD_SEGMENT, dtype=self.segment.dtype, device=self.segment.device)],

@@ -19,7 +19,7 @@ import triton.language as tl
 from hf_sparse_cp.attention.build import dense_layout, with_padding_query_blocks
 from hf_sparse_cp.attention.call import AttentionCall
 from hf_sparse_cp.attention.layout import SparseLayout
-from hf_sparse_cp.attention.ops import block_sparse_attention
+from hf_sparse_cp.attention.ops import attention_backward, attention_forward, block_sparse_attention
 from hf_sparse_cp.attention.reference import reference_backward, reference_forward
 from hf_sparse_cp.attention.tokens import PAD_SEGMENT, TokenMeta, padding_queries_see_prior_tokens
 from hf_sparse_cp.kernels import block_sparse_bwd, block_sparse_fwd, configs
@@ -520,6 +520,51 @@ def test_primitives_refuse_bad_inputs():
         kernel_forward(AttentionCall(q.double(), q.double(), q.double(), lay, 1.0, meta, meta))
     with pytest.raises(ValueError, match="merge buffer"):
         kernel_forward(AttentionCall(q, q, q, lay, 1.0, meta, meta), out=q.half(), lse=torch.zeros(1, 2, 32))
+
+
+def test_backward_refuses_misshapen_gradients_on_every_engine():
+    """out, dout, lse and dlse of another shape than the call's get one clear ValueError from every engine (the
+    reference and the masked form failed inside their arithmetic)."""
+    q, k, v, dout, dlse = _inputs(1, 4, 2, 40, 40, 16, torch.float32, seed=20)
+    meta = TokenMeta.contiguous(1, 40)
+    call = AttentionCall(q, k, v, dense_layout(meta, 16), 0.25, meta, meta)
+    out, lse = reference_forward(call)
+    for engine in ("triton", "reference", "masked"):
+        for bad in (dict(dout=dout[..., :-1]), dict(dlse=dlse[..., :-1]), dict(out=out[:, :2]), dict(lse=lse[..., 1:])):
+            args = dict(out=out, lse=lse, dout=dout, dlse=dlse) | bad
+            with pytest.raises(ValueError, match="must be shaped like q"):
+                attention_backward(call, args.pop("out"), args.pop("lse"), args.pop("dout"), implementation=engine,
+                                   **args)
+
+
+def test_a_gradient_in_another_dtype_than_the_inputs(interp):
+    """dout in fp16 for fp32 inputs (and fp32 for fp16 ones), as the primitive takes it: the kernels compute the
+    gradients the reference computes from it (they failed to compile: a matrix product of two dtypes)."""
+    meta = TokenMeta.contiguous(1, 40)
+    for dtype, dout_dtype in ((torch.float32, torch.float16), (torch.float16, torch.float32)):
+        q, k, v, dout, dlse = _inputs(1, 4, 2, 40, 40, 16, dtype, seed=21)
+        dout = dout.to(dout_dtype)
+        layout = random_layout(1, 4, 40, 40, 16, 0.6, 0.2, generator=torch.Generator().manual_seed(22))
+        call = AttentionCall(q, k, v, layout, 0.25, meta, meta)
+        out, lse = reference_forward(call)
+        grads = interp.apply(kernel_backward, (call, out, lse, dout), dict(dlse=dlse))
+        f64 = AttentionCall(q.double(), k.double(), v.double(), layout, 0.25, meta, meta)
+        ref = reference_backward(f64, out.double(), lse.double(), dout.to(dtype).double(), dlse=dlse.double())
+        for got, want in zip(grads, ref):
+            assert rel_rms(got, want) <= 2 * TOLERANCE[dtype]
+
+
+def test_int32_token_indices_give_what_int64_ones_give():
+    """A TokenMeta with an int32 index (the kernels clamp theirs to int32 anyway): the reference, which pads the
+    tokens to whole blocks with an index past every real one, failed to build that padding in int32."""
+    q, k, v, _, _ = _inputs(1, 2, 1, 40, 40, 16, torch.float32, seed=23)
+    meta = _random_docs(1, 40, seed=24, pad=3)
+    narrow = TokenMeta(meta.index.int(), meta.segment)
+    layout = random_layout(1, 2, 40, 40, 16, 0.6, 0.2, generator=torch.Generator().manual_seed(25))
+    for engine in ("reference", "masked"):
+        want = attention_forward(AttentionCall(q, k, v, layout, 0.25, meta, meta), implementation=engine)
+        got = attention_forward(AttentionCall(q, k, v, layout, 0.25, narrow, narrow), implementation=engine)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), engine
 
 
 def test_keys_not_a_block_multiple_and_fewer_than_the_queries(interp):
