@@ -54,7 +54,7 @@ from ..trainer.sparse_trainer import (
     sparse_trainer_class,
     with_plugin_arguments,
 )
-from .command import PROG
+from .command import PROG, mistyped_flags_refusal
 from .interrupts import record_output_dir
 from .known_scripts import trainers_refusal
 from .refusals import exit_refused
@@ -191,7 +191,13 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
             if set_defaults is not None:  # TRL's parser (a subclass): the keys of the --config file it reads, as typed
                 def set_config_defaults(**config):
                     self._sparse_config_keys = getattr(self, "_sparse_config_keys", set()) | set(config)
-                    return set_defaults(**config)
+                    remaining = set_defaults(**config)  # ['--key', 'value', ...]: the keys no flag takes
+                    # (TRL's scripts take these as remaining strings and drop them: a mistyped plugin key, `cp_sizee`,
+                    # would train without its setting, where the same flag on the command line is refused)
+                    refusal = mistyped_flags_refusal(remaining[::2], sys.argv[0], False, "in the --config file")
+                    if refusal is not None:
+                        exit_refused(f"{self.prog}: error: {refusal}{'' if refusal.endswith('?') else '.'}\n")
+                    return remaining
 
                 self.set_defaults_with_config = set_config_defaults
             plugin_types = [t for t in types if isinstance(t, type) and issubclass(t, SparseArgumentsMixin)]
