@@ -39,7 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from transformers import Trainer, TrainingArguments
 
 from ..config import BACKEND_NAME
-from ..config.files import did_you_mean
+from ..config.files import close_keys, did_you_mean
 from ..integration import compat_checks, upstream
 from ..integration.interfaces import is_patched, patch, unpatch
 from ..integration.patching import PatchSet, record_on
@@ -176,6 +176,7 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
     def extend(parser_class: type) -> None:
         """Make `parser_class` (an HfArgumentParser) take the plugin's flags (see the module's doc)."""
         parser_init, parse = parser_class.__init__, parser_class.parse_args_into_dataclasses
+        parse_dict = parser_class.parse_dict
         parser_error = parser_class.error
 
         def init_parser(self, dataclass_types=None, **kwargs):
@@ -248,6 +249,18 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                         exit_refused(f"{self.prog}: error: {refusal}\n")
             return outputs
 
+        def parse_dict_refusing(self, args, allow_extra_keys=False):
+            # (parse_json_file's and parse_yaml_file's too, `script.py args.json`: a key no field takes, `cp_sizee`,
+            # was HfArgumentParser's ValueError, a traceback from every rank: it ends as a mistyped flag does)
+            try:
+                return parse_dict(self, args, allow_extra_keys)
+            except ValueError as e:
+                known = {action.dest for action in self._actions}
+                unknown = sorted(set(args) - known)
+                if allow_extra_keys or not unknown or not all(repr(key) in str(e) for key in unknown):
+                    raise
+                exit_refused(f"{self.prog}: error: {e}{close_keys(unknown, known)}\n")
+
         def error(self, message: str):
             short = getattr(self, "usage_on_error", None)
             if short is None:
@@ -256,6 +269,7 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
 
         patches.set_attr(parser_class, "__init__", init_parser)
         patches.set_attr(parser_class, "error", error)
+        patches.set_attr(parser_class, "parse_dict", parse_dict_refusing)
         patches.set_attr(parser_class, "parse_args_into_dataclasses", parse_into_dataclasses)
 
     def init_trainer(self, model=None, args=None, *rest, **kwargs):

@@ -155,6 +155,25 @@ def test_a_mistyped_plugin_key_of_trls_config_file_is_refused_naming_the_close_f
     assert parse("cp_sizee: 2\n")[-1] == ["--cp_sizee", "2"]
 
 
+def test_a_key_no_field_takes_in_a_scripts_arguments_file_ends_as_a_mistyped_flag(tmp_path, capsys):
+    """run_clm.py's `script.py args.json` (HfArgumentParser.parse_json_file) with `"cp_sizee": 2` ended in
+    HfArgumentParser's ValueError, a traceback from every rank under `hf-sparse-cp launch`: it ends as a mistyped
+    flag does (exit status 2, the message once), naming the close field; a file the script reads with
+    allow_extra_keys keeps them."""
+    arguments = tmp_path / "args.json"
+    arguments.write_text(json.dumps({"output_dir": str(tmp_path), "cp_sizee": 2, "max_stepss": 3}))
+    with launched(PluginArguments()):
+        parser = HfArgumentParser(TrainingArguments)
+        with pytest.raises(SystemExit) as refused:
+            parser.parse_json_file(str(arguments))
+        (args,) = parser.parse_json_file(str(arguments), allow_extra_keys=True)
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "Traceback" not in err, err
+    assert err.endswith("error: Some keys are not used by the HfArgumentParser: ['cp_sizee', 'max_stepss'] (did you "
+                        "mean 'cp_size' for 'cp_sizee', 'max_steps' for 'max_stepss'?)\n"), err
+    assert args.output_dir == str(tmp_path)
+
+
 def test_a_script_field_named_like_a_plugin_flag_is_refused_naming_both(tmp_path):
     @dataclass
     class Clashing:
