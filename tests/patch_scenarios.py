@@ -300,7 +300,8 @@ def launch() -> Iterator:
     from hf_sparse_cp.trainer.plugin_arguments import PluginArguments
 
     parsers = argument_parser_classes()
-    yield [*((parser, name) for parser in parsers for name in ("__init__", "parse_args_into_dataclasses", "error")),
+    yield [*((parser, name) for parser in parsers
+             for name in ("__init__", "parse_args_into_dataclasses", "error", "parse_dict")),
            (Trainer, "__init__"),
            (importlib.import_module("torch.optim.optimizer"), "_global_optimizer_pre_hooks")]
     with launched(PluginArguments()):
@@ -388,7 +389,7 @@ ONE_PROCESS = {
     ("hf_sparse_cp.attention.sequence.sequence_layout", "os.environ.HF_SPARSE_CP_DENSE_BACKEND"):
         capturing_layouts,
     (*(f"{parser}.{name}" for parser in ("transformers.HfArgumentParser", "trl.scripts._hf_argparser.HfArgumentParser")
-       for name in ("__init__", "parse_args_into_dataclasses", "error")), "transformers.Trainer.__init__",
+       for name in ("__init__", "parse_args_into_dataclasses", "error", "parse_dict")), "transformers.Trainer.__init__",
      "torch.optim.optimizer._global_optimizer_pre_hooks"): launch,
     ("transformers.Trainer.__class__",): launched_trainer,
     tuple(f"{module}.load_balancing_loss_func" for module in router_loss_modules()): router_loss,

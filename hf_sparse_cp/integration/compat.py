@@ -248,6 +248,9 @@ PATCHES = (
               "line gave (they beat --sparse_config whatever their value)", _LAUNCH_UNDO,
               ("self", "args", "return_remaining_strings", "look_for_args_file", "args_filename",
                "args_file_flag")),
+        Patch(parser, "parse_dict", "replaces", "a key that no field takes in the file of arguments a launched "
+              "script reads (run_clm's JSON file) ends the run as a mistyped flag does, naming the close field, not "
+              "in a traceback from every rank", _LAUNCH_UNDO, ("self", "args", "allow_extra_keys")),
         Patch(parser, "error", "replaces", "argparse's error for a launched script's parser prints a short usage (its "
               "prog and --help), not every flag, the plugin's ~60 among them, unless the script wrote its own usage",
               _LAUNCH_UNDO, ("self", "message")),

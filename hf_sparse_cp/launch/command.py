@@ -205,10 +205,12 @@ def _applied(plugin: PluginArguments, after: set[str], values: dict[str, Any], u
         return dataclasses.replace(plugin, **{name: values[name] for name in after})
 
 
-def mistyped_flags_refusal(args: Sequence[str], target: str, is_module: bool) -> str | None:
+def mistyped_flags_refusal(args: Sequence[str], target: str, is_module: bool,
+                           where: str = "after the script's path") -> str | None:
     """Why the launcher refuses the flags among `args` (the arguments of the script `target`, a path or with `is_module`
-    a module's name) that read as mistyped plugin flags: of the plugin's first words (`--sparse_*`, `--cp_*`, `--smet*`;
-    dashes read as underscores) and close to one of its flags (`did_you_mean`), yet no flag that the script's parser,
+    a module's name; `where` they were given, for the message; a process checks its TRL --config file's keys so) that
+    read as mistyped plugin flags: of the plugin's first words (`--sparse_*`, `--cp_*`, `--smet*`; dashes read as
+    underscores) and close to one of its flags (`did_you_mean`), yet no flag that the script's parser,
     extended with the plugin's, takes as far as the launcher can know: no plugin flag nor the start of one (argparse's
     abbreviation), nor the start of a word of the script's source or of its folder's other modules (`source_words`: a
     flag of its own, declared there; no field of transformers' `TrainingArguments` or TRL's configs has the plugin's
@@ -232,7 +234,7 @@ def mistyped_flags_refusal(args: Sequence[str], target: str, is_module: bool) ->
     if not mistyped:
         return None
     what = "is not a plugin flag, nor one" if len(mistyped) == 1 else "are not plugin flags, nor ones"
-    return (f"{', '.join(mistyped)} after the script's path {what} that {os.path.basename(target)} declares"
+    return (f"{', '.join(mistyped)} {where} {what} that {os.path.basename(target)} declares"
             f"{did_you_mean(parser, mistyped)}{_own_budget_fields(mistyped, words)}")
 
 

@@ -39,7 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from transformers import Trainer, TrainingArguments
 
 from ..config import BACKEND_NAME
-from ..config.files import did_you_mean
+from ..config.files import close_keys, did_you_mean
 from ..integration import compat_checks, upstream
 from ..integration.interfaces import is_patched, patch, unpatch
 from ..integration.patching import PatchSet, record_on
@@ -54,7 +54,7 @@ from ..trainer.sparse_trainer import (
     sparse_trainer_class,
     with_plugin_arguments,
 )
-from .command import PROG
+from .command import PROG, mistyped_flags_refusal
 from .interrupts import record_output_dir
 from .known_scripts import trainers_refusal
 from .refusals import exit_refused
@@ -176,6 +176,7 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
     def extend(parser_class: type) -> None:
         """Make `parser_class` (an HfArgumentParser) take the plugin's flags (see the module's doc)."""
         parser_init, parse = parser_class.__init__, parser_class.parse_args_into_dataclasses
+        parse_dict = parser_class.parse_dict
         parser_error = parser_class.error
 
         def init_parser(self, dataclass_types=None, **kwargs):
@@ -191,7 +192,13 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
             if set_defaults is not None:  # TRL's parser (a subclass): the keys of the --config file it reads, as typed
                 def set_config_defaults(**config):
                     self._sparse_config_keys = getattr(self, "_sparse_config_keys", set()) | set(config)
-                    return set_defaults(**config)
+                    remaining = set_defaults(**config)  # ['--key', 'value', ...]: the keys no flag takes
+                    # (TRL's scripts take these as remaining strings and drop them: a mistyped plugin key, `cp_sizee`,
+                    # would train without its setting, where the same flag on the command line is refused)
+                    refusal = mistyped_flags_refusal(remaining[::2], sys.argv[0], False, "in the --config file")
+                    if refusal is not None:
+                        exit_refused(f"{self.prog}: error: {refusal}{'' if refusal.endswith('?') else '.'}\n")
+                    return remaining
 
                 self.set_defaults_with_config = set_config_defaults
             plugin_types = [t for t in types if isinstance(t, type) and issubclass(t, SparseArgumentsMixin)]
@@ -242,6 +249,18 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
                         exit_refused(f"{self.prog}: error: {refusal}\n")
             return outputs
 
+        def parse_dict_refusing(self, args, allow_extra_keys=False):
+            # (parse_json_file's and parse_yaml_file's too, `script.py args.json`: a key no field takes, `cp_sizee`,
+            # was HfArgumentParser's ValueError, a traceback from every rank: it ends as a mistyped flag does)
+            try:
+                return parse_dict(self, args, allow_extra_keys)
+            except ValueError as e:
+                known = {action.dest for action in self._actions}
+                unknown = sorted(set(args) - known)
+                if allow_extra_keys or not unknown or not all(repr(key) in str(e) for key in unknown):
+                    raise
+                exit_refused(f"{self.prog}: error: {e}{close_keys(unknown, known)}\n")
+
         def error(self, message: str):
             short = getattr(self, "usage_on_error", None)
             if short is None:
@@ -250,6 +269,7 @@ def launched(plugin: PluginArguments) -> Iterator[LaunchedRun]:
 
         patches.set_attr(parser_class, "__init__", init_parser)
         patches.set_attr(parser_class, "error", error)
+        patches.set_attr(parser_class, "parse_dict", parse_dict_refusing)
         patches.set_attr(parser_class, "parse_args_into_dataclasses", parse_into_dataclasses)
 
     def init_trainer(self, model=None, args=None, *rest, **kwargs):

@@ -127,6 +127,53 @@ def test_a_plugin_key_of_trls_config_file_counts_as_typed(tmp_path, monkeypatch,
     assert refused.value.code == 2 and "--sparse_estimation_chunk 1024 would be ignored" in capsys.readouterr().err
 
 
+def test_a_mistyped_plugin_key_of_trls_config_file_is_refused_naming_the_close_flag(tmp_path, monkeypatch, capsys):
+    """TRL's scripts take the keys of their --config file that no flag takes as remaining strings, and drop them:
+    `cp_sizee: 2` there trained 2 processes as DDP replicas (`hf-sparse-cp launch --nproc 2 -m trl.scripts.sft
+    --config sft.yaml`), where `--cp_sizee 2` on the command line is refused. Refused as that flag is, naming the close
+    one; a key the script's source declares, and one not of the plugin's first words, stay the script's."""
+    trl = pytest.importorskip("trl")
+    script = tmp_path / "sft.py"
+    script.write_text("script_args, config, rest = TrlParser(types).parse_args_and_config(return_remaining_strings=1)")
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    recipe = tmp_path / "sft.yaml"
+
+    def parse(keys: str):
+        recipe.write_text(f"output_dir: {tmp_path}\n{keys}")
+        with launched(PluginArguments()):
+            return trl.TrlParser((trl.ScriptArguments, trl.SFTConfig)).parse_args_and_config(
+                ["--config", str(recipe)], return_remaining_strings=True)
+
+    with pytest.raises(SystemExit) as refused:
+        parse("cp_sizee: 2\n")
+    err = capsys.readouterr().err
+    assert refused.value.code == 2, err
+    assert err.endswith("sft.py: error: --cp_sizee in the --config file is not a plugin flag, nor one that sft.py "
+                        "declares; did you mean --cp_size for --cp_sizee?\n"), err
+    assert parse("max_stepss: 2\ncp_size: 1\n")[-1] == ["--max_stepss", "2"]  # (TRL's to drop, as without the plugin)
+    script.write_text(script.read_text() + "\n# cp_sizee: a key of its own")
+    assert parse("cp_sizee: 2\n")[-1] == ["--cp_sizee", "2"]
+
+
+def test_a_key_no_field_takes_in_a_scripts_arguments_file_ends_as_a_mistyped_flag(tmp_path, capsys):
+    """run_clm.py's `script.py args.json` (HfArgumentParser.parse_json_file) with `"cp_sizee": 2` ended in
+    HfArgumentParser's ValueError, a traceback from every rank under `hf-sparse-cp launch`: it ends as a mistyped
+    flag does (exit status 2, the message once), naming the close field; a file the script reads with
+    allow_extra_keys keeps them."""
+    arguments = tmp_path / "args.json"
+    arguments.write_text(json.dumps({"output_dir": str(tmp_path), "cp_sizee": 2, "max_stepss": 3}))
+    with launched(PluginArguments()):
+        parser = HfArgumentParser(TrainingArguments)
+        with pytest.raises(SystemExit) as refused:
+            parser.parse_json_file(str(arguments))
+        (args,) = parser.parse_json_file(str(arguments), allow_extra_keys=True)
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "Traceback" not in err, err
+    assert err.endswith("error: Some keys are not used by the HfArgumentParser: ['cp_sizee', 'max_stepss'] (did you "
+                        "mean 'cp_size' for 'cp_sizee', 'max_steps' for 'max_stepss'?)\n"), err
+    assert args.output_dir == str(tmp_path)
+
+
 def test_a_script_field_named_like_a_plugin_flag_is_refused_naming_both(tmp_path):
     @dataclass
     class Clashing:
