@@ -55,7 +55,7 @@ def check_same_batch(inputs: Mapping[str, Any], parallel: ParallelDims) -> None:
             f"the ranks {list(parallel.cp_ranks)} of a context-parallel group hold different rows of tokens (or of "
             f"targets: {', '.join(CHECKED_TARGET_KEYS)}), and "
             "they must hold the same batch to split one sequence between them. Most likely each process built "
-            "different training data: build it identically on every process (seed it, e.g. "
+            "different training or evaluation data: build it identically on every process (seed it, e.g. "
             "torch.randint(..., generator=torch.Generator().manual_seed(0)), or load it from files), as the "
             "Trainer's data loader then hands every CP rank the same rows. Outside the Trainer, also shard the data "
             "over the data-parallel ranks only (num_replicas=dp_size, rank=dp_rank)."
