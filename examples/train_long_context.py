@@ -337,8 +337,10 @@ class _Parser(HfArgumentParser):
         if self.recipe is None:
             return ""
         given, mapping = self.recipe
-        # a flag as `--name`, or a field as `name=value` (the CP checks' `cp_ulysses_size=8 does not divide ...`)
-        found = re.findall(r"(?<![\w-])--(\w[\w-]*)|(?<![\w-])([a-z]\w*)(?==)", message)
+        # a flag as `--name`, or a field as `name=value` (the CP checks' `cp_ulysses_size=8 does not divide ...`); not
+        # a flag shown with a placeholder value, as a fix to type (`give the CP degree as --cp_size N`: #50, a GPU
+        # accelerate config on CPU was blamed on the recipe's `cp_size: 8`)
+        found = re.findall(r"(?<![\w-])--(\w[\w-]*)(?![\w-]| [A-Z]+\b)|(?<![\w-])([a-z]\w*)(?==)", message)
         named = dict.fromkeys((flag or field).replace("-", "_") for flag, field in found)
         shown = {name: json.dumps(value) if isinstance(value, dict) else str(value) for name, value in mapping.items()}
         lines = [f"`{name}: {shown[name]}`" for name in named if name in mapping and (
