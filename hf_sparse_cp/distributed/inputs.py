@@ -115,20 +115,6 @@ def batch_fingerprint(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.tensor(shape, device=x.device, dtype=torch.float64), total])
 
 
-def check_batch_shape(inputs: Mapping[str, Any]) -> None:
-    """Raise ValueError, naming the fix, unless the batch's input_ids are [B, S] (or its inputs_embeds [B, S, hidden])
-    with at least one token per row: 1-D ids failed as 'not enough values to unpack', and 3-D ids were split as
-    embeddings (along their second dimension)."""
-    name = "input_ids" if inputs.get("input_ids") is not None else "inputs_embeds"
-    ref, dims = inputs[name], 2 if name == "input_ids" else 3
-    if ref.dim() != dims:
-        shape = "[batch, sequence]" if dims == 2 else "[batch, sequence, hidden]"
-        fix = " (one row: add the batch dimension, x[None])" if ref.dim() == dims - 1 else ""
-        raise ValueError(f"context-parallel inputs take {name} of shape {shape}; got {tuple(ref.shape)}{fix}.")
-    if ref.shape[1] == 0:
-        raise ValueError(f"the batch's {name} {tuple(ref.shape)} hold no token: give rows of at least one token.")
-
-
 def planned_meta(inputs: Mapping[str, Any], meta: TokenMeta, sharding: str, pad_token_id: int, ignore_index: int
                  ) -> TokenMeta:
     """The documents the split is planned from: for the document planner, the batch's `meta` with its documents of
@@ -200,7 +186,7 @@ def prepare_context_parallel_inputs(
     ref = inputs.get("inputs_embeds") if ref is None else ref
     if ref is None:
         raise ValueError("context-parallel inputs need `input_ids` (or `inputs_embeds`).")
-    check_batch_shape(inputs)  # (shapes only, before the collectives: every rank of one batch refuses it alike)
+    check_per_token_shapes(inputs)  # (shapes only, before the collectives: every rank of one batch refuses it alike)
     if verify_same_batch:
         check_same_batch(inputs, parallel)
     if sparse_config is None:
@@ -210,7 +196,6 @@ def prepare_context_parallel_inputs(
             f"sparse_config.block_size={sparse_config.block_size} differs from block_size={block_size}: the "
             "sequence is sharded in the layout's blocks, so pass the model's config and its block_size."
         )
-    check_per_token_shapes(inputs)
     inputs = without_padless_mask(inputs, ref)
     meta = sequence_meta(inputs)
     mode = parallel.mode or RING  # one process (`ParallelDims.single`): a ring of one rank

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import (
@@ -110,6 +110,11 @@ def _write(path: Path, content: dict) -> None:
     os.replace(tmp, path)
 
 
+def _saving_folder(args: TrainingArguments, state: TrainerState) -> Path:
+    """The checkpoint folder the Trainer saves at its current step (`args.output_dir`/checkpoint-N)."""
+    return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+
+
 class CheckpointMarkerCallback(TrainerCallback):
     """Marks each checkpoint in progress before it is saved and complete once every rank saved it, and only then
     deletes the checkpoints `--save_total_limit` lets go (`defer_rotation`).
@@ -119,12 +124,9 @@ class CheckpointMarkerCallback(TrainerCallback):
     def __init__(self, trainer: Trainer, parallel: ParallelDims, cp_schedule: str | None = None) -> None:
         self.trainer, self.parallel, self.cp_schedule = trainer, parallel, cp_schedule
 
-    def _folder(self, args, state) -> Path:
-        return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-
     def on_step_end(self, args, state, control, **kwargs):
         if control.should_save and args.should_save:  # (every node's first process with save_on_each_node)
-            folder = self._folder(args, state)
+            folder = _saving_folder(args, state)
             folder.mkdir(parents=True, exist_ok=True)
             _write(folder / MARKER, {"complete": False, "step": state.global_step})
 
@@ -133,7 +135,7 @@ class CheckpointMarkerCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         self.trainer.accelerator.wait_for_everyone()  # every rank's files are written
         if args.should_save:  # (each node marks what it saved, with save_on_each_node: its own files)
-            folder = self._folder(args, state)
+            folder = _saving_folder(args, state)
             files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
                      if p.is_file() and not _is_marker(p)}
             metrics = StepMetricsCallback.of(self.trainer)
@@ -157,7 +159,7 @@ def defer_rotation(trainer: Trainer, patches: PatchSet) -> None:
     def save(*args, **kwargs):
         with temporarily(trainer.args, "save_total_limit", None):
             save_checkpoint(*args, **kwargs)
-        folder = Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+        folder = _saving_folder(trainer.args, trainer.state)
         if trainer.args.should_save and (folder / TRAINING_ARGS_NAME).exists():  # (the arguments as the run has them)
             torch.save(trainer.args, folder / TRAINING_ARGS_NAME)
 
@@ -827,7 +829,7 @@ def protect_checkpoints(trainer: Trainer, parallel: ParallelDims, patches: Patch
                 loading.enter_context(flag_errors((SavedStateMismatch,)))
                 return train(resume_from_checkpoint, *args, **kwargs)
         except Exception as e:
-            saving = Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+            saving = _saving_folder(trainer.args, trainer.state)
             why = failed_save(saving, e)
             if why is None:
                 raise

@@ -20,10 +20,10 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, parse_flag_from_env, str_to_bool
 from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
-from packaging.version import Version
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 from transformers import Trainer, TrainingArguments
 
+from ..integration import compat_checks
 from ..integration.given import require_trainer
 from ..integration.patching import record_on, undo_recorded
 
@@ -157,7 +157,7 @@ def check_peft_checkpointing(model: torch.nn.Module, plugin: FullyShardedDataPar
     layers injected, kept them under both)."""
     peft = sys.modules.get("peft")
     if (not plugin.activation_checkpointing or peft is None
-            or Version(peft.__version__).release >= PEFT_SAVES_WRAPPED_ADAPTERS):
+            or compat_checks.release("peft") >= PEFT_SAVES_WRAPPED_ADAPTERS):
         return
     if isinstance(model, (peft.PeftModel, peft.PeftMixedModel)):
         raise ValueError("A PEFT model under FSDP's own activation checkpointing (activation_checkpointing in the FSDP "

@@ -93,14 +93,12 @@ def _train_and_save(rank: int, world: int) -> dict | None:
 def test_a_peft_model_under_fsdp_activation_checkpointing_saves_its_trained_adapter_under_current_peft():
     """Where the installed PEFT is 0.22 or newer the pair trains and saves every LoRA weight as trained (PEFT 0.21.2
     saved none: the refusal above)."""
-    import peft
-    from packaging.version import Version
-
+    from hf_sparse_cp.integration.compat_checks import release
     from hf_sparse_cp.testing.spawn import run_gloo
     from hf_sparse_cp.trainer.cpu_fsdp import PEFT_SAVES_WRAPPED_ADAPTERS
 
-    if Version(peft.__version__).release < PEFT_SAVES_WRAPPED_ADAPTERS:
-        pytest.skip(f"PEFT {peft.__version__} is refused (the test above)")
+    if release("peft") < PEFT_SAVES_WRAPPED_ADAPTERS:
+        pytest.skip(f"PEFT {'.'.join(map(str, release('peft')))} is refused (the test above)")
     out = run_gloo(_train_and_save, 2, timeout_s=300)[0]
     saved, trained = out["saved"], out["trained"]
     assert len(saved) == len(trained) == 4  # (A and B of q_proj in the tiny model's 2 layers)

@@ -391,6 +391,7 @@ def shard_inputs(
     ref = ids if ids is not None else inputs.get("inputs_embeds")
     if ref is None:
         raise ValueError("context-parallel inputs need `input_ids` (or `inputs_embeds`).")
+    check_per_token_shapes(inputs)
     b, s = ref.shape[:2]
     if s != plan.seq_len:
         raise ValueError(f"the batch has {s} tokens per row but the shard plan was made for {plan.seq_len}.")
@@ -399,7 +400,6 @@ def shard_inputs(
         if key not in _SHARDED_KEYS and isinstance(value, torch.Tensor) and value.dim() >= 2 \
                 and value.shape[0] in (1, b) and value.shape[1] == s:
             out[key] = plan.shard(value, rank, pad_value=False if value.dtype == torch.bool else 0)
-    check_per_token_shapes(inputs)
     kept = kept_positions_of_shard(inputs, plan, rank, b, s, ignore_index)
     if kept is not None:
         out.update(kept)
@@ -428,9 +428,18 @@ def check_per_token_shapes(inputs: Mapping[str, Any]) -> None:
     of a batch that does not hold one entry per token of its [B, S] input_ids (or inputs_embeds): a shard of it would
     cut other positions than the tokens' (labels one shorter than the ids were refused only as 'a tensor of 299
     positions' the plan could not shard; of a longer attention mask, the last columns were read). With a
-    `logits_to_keep` mask the labels are the kept positions' (`kept_positions_of_shard` checks them)."""
+    `logits_to_keep` mask the labels are the kept positions' (`kept_positions_of_shard` checks them). The ids
+    themselves must be [B, S] (embeddings [B, S, hidden]) of at least one token per row: 1-D ids failed as 'not
+    enough values to unpack', and 3-D ids were split as embeddings (along their second dimension)."""
     ref_name = "input_ids" if inputs.get("input_ids") is not None else "inputs_embeds"
-    b, s = inputs[ref_name].shape[:2]
+    ref, dims = inputs[ref_name], 2 if ref_name == "input_ids" else 3
+    if ref.dim() != dims:
+        shape = "[batch, sequence]" if dims == 2 else "[batch, sequence, hidden]"
+        fix = " (one row: add the batch dimension, x[None])" if ref.dim() == dims - 1 else ""
+        raise ValueError(f"context-parallel inputs take {ref_name} of shape {shape}; got {tuple(ref.shape)}{fix}.")
+    b, s = ref.shape[:2]
+    if s == 0:
+        raise ValueError(f"the batch's {ref_name} {tuple(ref.shape)} hold no token: give rows of at least one token.")
     keep = inputs.get("logits_to_keep")
     masked = isinstance(keep, torch.Tensor) or bool(keep)
     every_token = ("position_ids", "attention_mask")
